@@ -1,0 +1,36 @@
+/// \file
+/// Completion sources besides the scheduler's own io_uring: CUDA event FIFOs,
+/// RDMA completion queues. The scheduler polls each once per loop iteration.
+#pragma once
+
+#include <chrono>
+
+namespace gdr {
+
+/// What one poll of a completion source found.
+struct poll_status {
+  /// At least one operation completed (the loop should poll again at once).
+  bool did_work = false;
+  /// How long the loop may sleep in the kernel before polling this source
+  /// again: `max()` = indefinitely (the source wakes the ring itself, or has
+  /// nothing pending), zero = must not sleep (busy), anything else = a bound
+  /// (a source that can only be polled, such as a CUDA event, while work is
+  /// pending).
+  std::chrono::nanoseconds sleep_bound = std::chrono::nanoseconds::max();
+};
+
+/// A completion source polled by the scheduler (seastar's `pollfn`, UCX's
+/// progress callbacks). Pollers are owned by their creator and must be removed
+/// from the scheduler before they are destroyed.
+///
+/// Thread-safety: `poll` is called only on the scheduler's thread.
+class poller {
+ public:
+  virtual ~poller() = default;
+  /// Completes whatever is ready; never blocks.
+  virtual poll_status poll() noexcept = 0;
+  /// A short name for diagnostics ("cuda-events", "verbs-cq").
+  virtual const char* name() const noexcept = 0;
+};
+
+}  // namespace gdr

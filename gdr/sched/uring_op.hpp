@@ -1,0 +1,150 @@
+/// \file
+/// `uring_awaitable`: the base of every awaitable that is one io_uring SQE and
+/// its CQE (a NOP, a timeout, an accept, a connect...), with cancellation.
+///
+/// Cancellation: the awaitable observes the awaiting coroutine's stop token.
+/// A stop request submits `IORING_OP_ASYNC_CANCEL` for the operation; the
+/// coroutine still resumes only when the operation's own CQE arrives, so
+/// buffers and registrations it names stay alive until the kernel is done with
+/// them (DESIGN-NOTES: "a stop token stops the waiting"). A stop request from
+/// another thread is posted to the scheduler's thread first, because only that
+/// thread may touch the ring.
+///
+/// Errors: `co_await op` throws `gdr::error`; `co_await std::move(op).as_result()`
+/// (or `gdr::try_await(op)`) returns `gdr::result<T>` instead.
+#pragma once
+
+#include <atomic>
+#include <cerrno>
+#include <coroutine>
+#include <optional>
+#include <stop_token>
+#include <utility>
+
+#include <gdr/coro/task.hpp>
+#include <gdr/error.hpp>
+#include <gdr/sched/operation.hpp>
+#include <gdr/sched/scheduler.hpp>
+
+namespace gdr {
+
+/// Maps an io_uring result (negative errno) to an error code: -ECANCELED is
+/// `errc::cancelled`, anything else keeps its errno.
+inline std::error_code uring_error(int res) noexcept {
+  if (res >= 0) return {};
+  if (res == -ECANCELED) return errc::cancelled;
+  return errno_code(-res);
+}
+
+namespace detail {
+
+/// CRTP base. `Derived` provides `void prepare(io_uring_sqe*) noexcept` and
+/// `result<T> finish() noexcept` (reading `res_` and `flags_`).
+template <class Derived, class T>
+class uring_awaitable : public operation {
+ public:
+  explicit uring_awaitable(scheduler& s) noexcept : sched_(&s) { complete = &on_complete; }
+
+  // Movable only before it is awaited (it is then just its parameters).
+  uring_awaitable(uring_awaitable&& o) noexcept : operation(o), sched_(o.sched_) {}
+  uring_awaitable& operator=(uring_awaitable&&) = delete;
+
+  bool await_ready() const noexcept { return false; }
+
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) noexcept {
+    std::stop_token st = stop_token_of(h);
+    if (st.stop_requested()) {
+      res_ = -ECANCELED;
+      return false;
+    }
+    io_uring_sqe* sqe = sched_->get_sqe();
+    if (sqe == nullptr) {
+      res_ = -EBUSY;
+      return false;
+    }
+    static_cast<Derived*>(this)->prepare(sqe);
+    io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
+    sched_->note_submitted();
+    waiter_ = h;
+    if (st.stop_possible()) stop_.emplace(std::move(st), canceller{this});
+    return true;
+  }
+
+  T await_resume() { return static_cast<Derived*>(this)->finish().value(); }
+
+  /// The same operation, but `co_await` returns `result<T>` and never throws.
+  auto as_result() && noexcept {
+    struct adapter : Derived {
+      explicit adapter(Derived&& d) noexcept : Derived(std::move(d)) {}
+      result<T> await_resume() noexcept { return this->finish(); }
+    };
+    return adapter{static_cast<Derived&&>(*this)};
+  }
+
+  scheduler& sched() const noexcept { return *sched_; }
+
+ protected:
+  int res_ = 0;
+  std::uint32_t flags_ = 0;
+
+ private:
+  struct canceller {
+    uring_awaitable* self;
+    void operator()() const noexcept { self->request_cancel(); }
+  };
+
+  void request_cancel() noexcept {
+    if (scheduler::current() == sched_) {
+      sched_->cancel(this);
+      return;
+    }
+    // Another thread: only the loop's thread may touch the ring.
+    cancel_posted_.store(true, std::memory_order_release);
+    cancel_work_.self = this;
+    cancel_work_.run = [](remote_work* w) noexcept {
+      uring_awaitable* self = static_cast<cancel_node*>(w)->self;
+      if (!self->completed_) self->sched_->cancel(self);
+      self->cancel_done_.store(true, std::memory_order_release);
+    };
+    sched_->post(&cancel_work_);
+  }
+
+  static void on_complete(operation* op, int res, std::uint32_t flags) noexcept {
+    auto* self = static_cast<uring_awaitable*>(op);
+    self->res_ = res;
+    self->flags_ = flags;
+    self->completed_ = true;
+    // Destroying the callback waits for one running on another thread.
+    self->stop_.reset();
+    // A cancel request posted from another thread must run before this frame
+    // can go away: its node lives here. We are on the loop's thread, so run the
+    // posted work now; the node sees `completed_` and does nothing.
+    while (self->cancel_posted_.load(std::memory_order_acquire) &&
+           !self->cancel_done_.load(std::memory_order_acquire)) {
+      self->sched_->run_posted();
+    }
+    self->waiter_.resume();
+  }
+
+  scheduler* sched_;
+  std::coroutine_handle<> waiter_{};
+  std::optional<std::stop_callback<canceller>> stop_{};
+  struct cancel_node : remote_work {
+    uring_awaitable* self = nullptr;
+  };
+  cancel_node cancel_work_{};
+  std::atomic<bool> cancel_posted_{false};
+  std::atomic<bool> cancel_done_{false};
+  bool completed_ = false;
+};
+
+}  // namespace detail
+
+/// Awaits `op` and returns `result<T>` instead of throwing.
+template <class Awaitable>
+auto try_await(Awaitable&& op) noexcept {
+  return std::forward<Awaitable>(op).as_result();
+}
+
+}  // namespace gdr
