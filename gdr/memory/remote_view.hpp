@@ -1,0 +1,112 @@
+/// \file
+/// `gdr::remote_view<T, S>`: a description of a peer's registered memory (in
+/// space `S` on the peer): its address there, its length, the key that grants
+/// access, and the peer it belongs to.
+///
+/// A remote view is data, not a pointer: it is never dereferenced or copied
+/// locally (no `operator[]`, no `begin`, no span). It travels in a message
+/// (`to_wire`/`from_wire`, a fixed 40-byte little-endian record) and is handed
+/// to `ep.put(local, remote)` / `ep.get(local, remote)`. The owner checks
+/// every access against its registrations: range, key, and whether the
+/// registration was revoked.
+#pragma once
+
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include <gdr/error.hpp>
+#include <gdr/memory/space.hpp>
+
+namespace gdr {
+
+namespace detail {
+template <class S>
+constexpr std::uint32_t space_code() noexcept;
+template <> constexpr std::uint32_t space_code<Host>() noexcept { return 1; }
+template <> constexpr std::uint32_t space_code<Pinned>() noexcept { return 2; }
+template <> constexpr std::uint32_t space_code<Device>() noexcept { return 3; }
+
+inline void store_le64(std::byte* p, std::uint64_t v) noexcept {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
+}
+inline std::uint64_t load_le64(const std::byte* p) noexcept {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+}  // namespace detail
+
+/// A peer's memory: `count` elements of `T` at `addr` in the peer's space `S`.
+template <class T, class S>
+class remote_view {
+  static_assert(local_memory_space<S>, "gdr::remote_view<T, S>: S is the space on the peer's side "
+                                       "(gdr::Host, gdr::Pinned or gdr::Device), not Remote<...>");
+
+ public:
+  using element_type = T;
+  using space = Remote<S>;
+  using peer_space = S;
+
+  /// Size of the wire record.
+  static constexpr std::size_t wire_size = 40;
+
+  constexpr remote_view() noexcept = default;
+  constexpr remote_view(std::uint64_t addr, std::size_t count, std::uint64_t key, std::uint32_t peer) noexcept
+      : addr_(addr), count_(count), key_(key), peer_(peer) {}
+
+  /// The address in the peer's address space (meaningless here).
+  constexpr std::uint64_t address() const noexcept { return addr_; }
+  constexpr std::size_t size() const noexcept { return count_; }
+  constexpr std::size_t size_bytes() const noexcept { return count_ * sizeof(T); }
+  /// The access key of the peer's registration (an rkey for verbs).
+  constexpr std::uint64_t key() const noexcept { return key_; }
+  /// The peer's rank (as the bootstrap numbers peers).
+  constexpr std::uint32_t peer() const noexcept { return peer_; }
+
+  /// `count` elements from `offset`, clamped to the view.
+  constexpr remote_view subview(std::size_t offset, std::size_t count = static_cast<std::size_t>(-1)) const noexcept {
+    if (offset > count_) offset = count_;
+    if (count > count_ - offset) count = count_ - offset;
+    return remote_view(addr_ + offset * sizeof(T), count, key_, peer_);
+  }
+
+  /// Serializes: addr, bytes, key (u64 each), peer, space code (u32 each),
+  /// element size (u64), all little-endian.
+  std::array<std::byte, wire_size> to_wire() const noexcept {
+    std::array<std::byte, wire_size> w{};
+    detail::store_le64(w.data() + 0, addr_);
+    detail::store_le64(w.data() + 8, size_bytes());
+    detail::store_le64(w.data() + 16, key_);
+    detail::store_le64(w.data() + 24, static_cast<std::uint64_t>(peer_) |
+                                          (static_cast<std::uint64_t>(detail::space_code<S>()) << 32));
+    detail::store_le64(w.data() + 32, sizeof(T));
+    return w;
+  }
+
+  /// Parses a wire record. Fails with `errc::invalid_argument` when the record
+  /// is short, names another space, another element size, or a length that is
+  /// not a whole number of elements.
+  static result<remote_view> from_wire(std::span<const std::byte> w) noexcept {
+    if (w.size() < wire_size) return errc::invalid_argument;
+    std::uint64_t addr = detail::load_le64(w.data());
+    std::uint64_t bytes = detail::load_le64(w.data() + 8);
+    std::uint64_t key = detail::load_le64(w.data() + 16);
+    std::uint64_t peer_space = detail::load_le64(w.data() + 24);
+    std::uint64_t elem = detail::load_le64(w.data() + 32);
+    if (static_cast<std::uint32_t>(peer_space >> 32) != detail::space_code<S>()) return errc::invalid_argument;
+    if (elem != sizeof(T) || bytes % sizeof(T) != 0) return errc::invalid_argument;
+    return remote_view(addr, bytes / sizeof(T), key, static_cast<std::uint32_t>(peer_space));
+  }
+
+ private:
+  std::uint64_t addr_ = 0;
+  std::size_t count_ = 0;
+  std::uint64_t key_ = 0;
+  std::uint32_t peer_ = 0;
+};
+
+}  // namespace gdr

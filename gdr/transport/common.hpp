@@ -1,0 +1,73 @@
+/// \file
+/// What every transport shares: per-operation options (stop token, timeout),
+/// the path an operation takes, the transport traits table, and the record of
+/// which path each operation took.
+///
+/// "Move bytes" (a transport: loopback, tcp, ipc, verbs) is kept apart from
+/// "how to move these bytes" (path choice and staging, `gdr/transport/path.hpp`
+/// once device memory arrives), as UCX keeps `uct/` apart from `ucp/`.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <stop_token>
+#include <type_traits>
+
+#include <gdr/memory/access.hpp>
+#include <gdr/memory/space.hpp>
+
+namespace gdr {
+
+/// Options every transport operation accepts.
+///
+/// `stop`: in addition to the awaiting coroutine's own stop token; either one
+/// cancels the operation (`errc::cancelled`). `timeout`: zero means none; when
+/// it passes first the operation completes with `errc::timed_out`. Either way
+/// the operation's buffers stay in use until the transport is done with them:
+/// the coroutine resumes only after that.
+struct op_options {
+  std::stop_token stop{};
+  std::chrono::nanoseconds timeout{0};
+};
+
+/// How an operation's bytes travelled. Observable on every endpoint
+/// (`endpoint.last_path()`, and per-path counters in `endpoint.stats()`).
+enum class transfer_path : std::uint8_t {
+  none,            ///< no bytes moved yet
+  host_zero_copy,  ///< straight from/into the user's host buffer (no extra copy)
+  host_eager,      ///< small message copied through the transport's own buffer
+  staged_pinned,   ///< pipelined through pinned bounce buffers (device memory)
+  cuda_ipc,        ///< CUDA IPC, GPU to GPU within a node
+  gpudirect_rdma,  ///< NIC DMA to/from GPU memory
+};
+
+/// A printable name for a path ("host-zero-copy", ...).
+constexpr const char* to_string(transfer_path p) noexcept {
+  switch (p) {
+    case transfer_path::none: return "none";
+    case transfer_path::host_zero_copy: return "host-zero-copy";
+    case transfer_path::host_eager: return "host-eager";
+    case transfer_path::staged_pinned: return "staged-pinned";
+    case transfer_path::cuda_ipc: return "cuda-ipc";
+    case transfer_path::gpudirect_rdma: return "gpudirect-rdma";
+  }
+  return "?";
+}
+
+/// The transport traits table: what transport `T` moves zero-copy from and to
+/// memory space `S` (a type-level form of NCCL's `ptrSupport`). Conservative
+/// default: nothing. Each transport specializes it once, beside its code.
+template <class Transport, class S>
+struct transport_traits {
+  /// Bytes in `S` go straight to/from the wire with no intermediate copy.
+  static constexpr bool zero_copy = false;
+  /// Bytes in `S` can be moved at all (zero-copy or through staging).
+  static constexpr bool supported = false;
+};
+
+/// `Transport` can send and receive buffers in `S`.
+template <class Transport, class S>
+concept transport_supports = transport_traits<Transport, S>::supported;
+
+}  // namespace gdr
