@@ -1,0 +1,2 @@
+// The test is the build: every public header compiled alone (see BUILD.bazel).
+int main() { return 0; }
