@@ -44,15 +44,17 @@ def gdr_test(name, srcs, deps = [], size = "small", tags = [], data = [], env = 
         **kwargs
     )
 
-def gdr_tests(srcs, deps = [], **kwargs):
-    """One gdr_test per source file, named after it: `foo_test.cpp` gives
-    `:foo_test`. Used with glob(["*_test.cpp"]) so new tests are picked up;
-    declare a test by hand (and exclude it from the glob) when it needs its
-    own tags, size or data."""
+def gdr_tests(srcs, hdrs = [], deps = [], **kwargs):
+    """One gdr_test per source file, named after its package-relative path
+    without the extension: `loopback/endpoint_test.cpp` gives
+    `:loopback/endpoint_test`. Used with glob(["**/*_test.cpp"]) so new tests
+    are picked up; `hdrs` are helper headers any of them may include (as
+    "tests/<area>/..."). Declare a test by hand (and exclude it from the
+    glob) when it needs its own tags, size or data."""
     for src in srcs:
         gdr_test(
-            name = src.rsplit("/", 1)[-1].rsplit(".", 1)[0],
-            srcs = [src],
+            name = src.rsplit(".", 1)[0],
+            srcs = [src] + hdrs,
             deps = deps,
             **kwargs
         )
