@@ -1,0 +1,87 @@
+// Helpers for the loopback tests: a watchdog that ends a hung test, and a
+// fire-and-forget coroutine to start many operations at once.
+#pragma once
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <coroutine>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <span>
+#include <stop_token>
+#include <utility>
+
+#include <gdr/coro/task.hpp>
+#include <gdr/transport/common.hpp>
+
+namespace gdr_test {
+
+// Kills the test process with a message if a test case takes longer than
+// `seconds`: no test may hang, even when the code under test is broken.
+class watchdog {
+ public:
+  explicit watchdog(unsigned seconds) noexcept {
+    struct sigaction sa {};
+    sa.sa_handler = [](int) {
+      static const char msg[] = "watchdog: test case took too long, aborting\n";
+      [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
+      ::_exit(124);
+    };
+    ::sigaction(SIGALRM, &sa, nullptr);
+    ::alarm(seconds);
+  }
+  ~watchdog() { ::alarm(0); }
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+};
+
+// A coroutine that starts at once and is never awaited: runs `f()` (a
+// coroutine lambda, kept alive in this frame: a lambda coroutine's captures
+// live in the closure, not in its own frame), then counts it in `done` (and
+// in `failed` if it threw).
+struct detached {
+  struct promise_type {
+    detached get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+template <class F>
+detached spawn(F f, int& done, int& failed) {
+  try {
+    co_await f();
+  } catch (...) {
+    ++failed;
+  }
+  ++done;
+}
+
+// op_options with a stop token, built outside the co_await expression.
+// GCC 12 destroys the members of an aggregate temporary twice when the
+// aggregate is brace-initialized inside a co_await expression
+// (`co_await ep.recv(v, {.stop = tok})` corrupts the stop state's reference
+// count; clang is fine). A function's prvalue result is not affected.
+inline gdr::op_options stop_opts(std::stop_token st, std::chrono::nanoseconds timeout = {}) {
+  gdr::op_options o;
+  o.stop = std::move(st);
+  o.timeout = timeout;
+  return o;
+}
+
+// op_options with only a timeout (see stop_opts for why not `{.timeout = d}`).
+inline gdr::op_options timeout_opts(std::chrono::nanoseconds timeout) { return stop_opts({}, timeout); }
+
+// FNV-1a over bytes: a checksum for message contents.
+inline std::uint64_t fnv1a(std::span<const std::byte> b) noexcept {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::byte x : b) h = (h ^ static_cast<std::uint64_t>(x)) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace gdr_test
