@@ -4,7 +4,9 @@
 /// access, and the peer it belongs to.
 ///
 /// A remote view is data, not a pointer: it is never dereferenced or copied
-/// locally (no `operator[]`, no `begin`, no span). It travels in a message
+/// locally (`operator[]`, `begin` and `end` fail to compile with a
+/// message saying to use `ep.get`/`ep.put`; there is no span and no
+/// `gdr::copy`). It travels in a message
 /// (`to_wire`/`from_wire`, a fixed 40-byte little-endian record) and is handed
 /// to `ep.put(local, remote)` / `ep.get(local, remote)`. The owner checks
 /// every access against its registrations: range, key, and whether the
@@ -30,6 +32,9 @@ template <> constexpr std::uint32_t space_code<Host>() noexcept { return 1; }
 template <> constexpr std::uint32_t space_code<Pinned>() noexcept { return 2; }
 template <> constexpr std::uint32_t space_code<Device>() noexcept { return 3; }
 
+template <class D>
+inline constexpr bool remote_false_v = false;
+
 inline void store_le64(std::byte* p, std::uint64_t v) noexcept {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
 }
@@ -39,6 +44,12 @@ inline std::uint64_t load_le64(const std::byte* p) noexcept {
   return v;
 }
 }  // namespace detail
+
+/// The diagnostic for touching a peer's memory locally.
+#define GDR_REMOTE_ACCESS_ERROR_                                                                  \
+  "gdr::remote_view<T, S>: a peer's memory cannot be dereferenced, iterated or pointed at in "   \
+  "this process (its address is the peer's). Read it with co_await ep.get(local_view, remote) " \
+  "or write it with co_await ep.put(local_view, remote)."
 
 /// A peer's memory: `count` elements of `T` at `addr` in the peer's space `S`.
 template <class T, class S>
@@ -72,6 +83,29 @@ class remote_view {
     if (offset > count_) offset = count_;
     if (count > count_ - offset) count = count_ - offset;
     return remote_view(addr_ + offset * sizeof(T), count, key_, peer_);
+  }
+
+  // ---- no local access: each of these says so at compile time -----------
+  // (Without them the mistake would read "no match for operator[]", which
+  // does not say what to do instead.)
+
+  /// Not available: a peer's memory cannot be dereferenced here.
+  template <class D = void>
+  T& operator[](std::size_t) const noexcept {
+    static_assert(detail::remote_false_v<D>, GDR_REMOTE_ACCESS_ERROR_);
+    return *static_cast<T*>(nullptr);
+  }
+  /// Not available: a peer's memory cannot be iterated here.
+  template <class D = void>
+  T* begin() const noexcept {
+    static_assert(detail::remote_false_v<D>, GDR_REMOTE_ACCESS_ERROR_);
+    return nullptr;
+  }
+  /// Not available: a peer's memory cannot be iterated here.
+  template <class D = void>
+  T* end() const noexcept {
+    static_assert(detail::remote_false_v<D>, GDR_REMOTE_ACCESS_ERROR_);
+    return nullptr;
   }
 
   /// Serializes: addr, bytes, key (u64 each), peer, space code (u32 each),

@@ -1,0 +1,61 @@
+// gdr::remote_view<T, S>: a peer's memory as data. Its wire record round-trips
+// and rejects records that describe something else; local access does not
+// compile (tests/type_safety).
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <ostream>  // doctest prints std::error_code through it
+
+#include <gdr/memory/remote_view.hpp>
+
+TEST_CASE("a remote view survives its wire record unchanged") {
+  gdr::remote_view<std::uint64_t, gdr::Device> r(0x7f00'1234'5678'0000ULL, 1000, 0xdead'beef'cafe'f00dULL, 7);
+  auto w = r.to_wire();
+  static_assert(w.size() == gdr::remote_view<std::uint64_t, gdr::Device>::wire_size);
+  auto back = gdr::remote_view<std::uint64_t, gdr::Device>::from_wire(w);
+  REQUIRE(back.has_value());
+  CHECK(back->address() == r.address());
+  CHECK(back->size() == 1000);
+  CHECK(back->size_bytes() == 8000);
+  CHECK(back->key() == r.key());
+  CHECK(back->peer() == 7);
+}
+
+TEST_CASE("the wire record is little-endian whatever the host order") {
+  gdr::remote_view<std::byte, gdr::Host> r(0x0102030405060708ULL, 16, 0, 0);
+  auto w = r.to_wire();
+  CHECK(w[0] == std::byte{0x08});
+  CHECK(w[7] == std::byte{0x01});
+  CHECK(w[8] == std::byte{16});
+}
+
+TEST_CASE("a wire record for another space, element size or a short buffer is rejected") {
+  gdr::remote_view<std::uint32_t, gdr::Pinned> r(4096, 4, 1, 2);
+  auto w = r.to_wire();
+  CHECK(gdr::remote_view<std::uint32_t, gdr::Device>::from_wire(w).error() == gdr::errc::invalid_argument);
+  CHECK(gdr::remote_view<std::uint64_t, gdr::Pinned>::from_wire(w).error() == gdr::errc::invalid_argument);
+  CHECK(gdr::remote_view<std::uint32_t, gdr::Pinned>::from_wire(std::span(w).first(39)).error() ==
+        gdr::errc::invalid_argument);
+  CHECK(gdr::remote_view<std::uint32_t, gdr::Pinned>::from_wire(w).has_value());
+}
+
+TEST_CASE("a length that is not a whole number of elements is rejected") {
+  gdr::remote_view<std::byte, gdr::Host> bytes(0, 10, 0, 0);
+  auto w = bytes.to_wire();
+  // Claim 4-byte elements: 10 bytes is not a multiple of 4.
+  w[32] = std::byte{4};
+  CHECK(gdr::remote_view<std::uint32_t, gdr::Host>::from_wire(w).error() == gdr::errc::invalid_argument);
+}
+
+TEST_CASE("a remote subview moves the address by whole elements and clamps") {
+  gdr::remote_view<std::uint32_t, gdr::Host> r(1000, 10, 5, 1);
+  auto s = r.subview(3, 4);
+  CHECK(s.address() == 1000 + 3 * 4);
+  CHECK(s.size() == 4);
+  CHECK(s.key() == 5);
+  CHECK(s.peer() == 1);
+  CHECK(r.subview(8, 9).size() == 2);
+  CHECK(r.subview(11).size() == 0);
+}
