@@ -1,0 +1,199 @@
+// gdr/cuda/event_poller.hpp: CUDA event completion through the scheduler.
+// Registration runs anywhere; the rest needs a GPU: one FIFO per stream with
+// only the head queried, the event pool, and completion in busy_poll and in
+// sleep mode with both wake strategies (host function + eventfd, bounded
+// polling).
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <gdr/coro/sync_wait.hpp>
+#include <gdr/coro/task.hpp>
+#include <gdr/cuda/event_poller.hpp>
+#include <gdr/cuda/stream.hpp>
+#include <gdr/sched/scheduler.hpp>
+
+#include "tests/cuda/cuda_test_support.hpp"
+#include "tests/support/skip.hpp"
+
+using namespace std::chrono_literals;
+
+TEST_CASE("an event poller attaches to one scheduler and detaches when destroyed") {
+  gdr::scheduler sched;
+  CHECK(gdr::cuda::event_poller::of(sched) == nullptr);
+  {
+    gdr::cuda::event_poller events(sched);
+    CHECK(gdr::cuda::event_poller::of(sched) == &events);
+    CHECK(std::string(events.name()) == "cuda-events");
+    CHECK(events.options().wake == gdr::cuda::wake_strategy::bounded_poll);
+    CHECK_THROWS_AS(gdr::cuda::event_poller{sched}, gdr::error);
+    gdr::poll_status st = events.poll();
+    CHECK_FALSE(st.did_work);
+    CHECK(st.sleep_bound == std::chrono::nanoseconds::max());  // nothing pending: may sleep forever
+  }
+  CHECK(gdr::cuda::event_poller::of(sched) == nullptr);
+  gdr::scheduler other;
+  gdr::cuda::event_poller a(sched), b(other);
+  CHECK(gdr::cuda::event_poller::of(sched) == &a);
+  CHECK(gdr::cuda::event_poller::of(other) == &b);
+}
+
+namespace {
+// Records the order in which the poller completes it.
+struct probe_op : gdr::cuda::event_operation {
+  std::vector<int>* order = nullptr;
+  int id = 0;
+  int res = 1;
+  probe_op() {
+    complete = [](gdr::operation* op, int res, std::uint32_t) noexcept {
+      auto* self = static_cast<probe_op*>(op);
+      self->res = res;
+      self->order->push_back(self->id);
+    };
+  }
+};
+
+struct config {
+  const char* name;
+  gdr::run_mode mode;
+  gdr::cuda::wake_strategy wake;
+};
+constexpr config configs[] = {
+    {"busy_poll", gdr::run_mode::busy_poll, gdr::cuda::wake_strategy::bounded_poll},
+    {"sleep + host_func", gdr::run_mode::sleep, gdr::cuda::wake_strategy::host_func},
+    {"sleep + bounded_poll", gdr::run_mode::sleep, gdr::cuda::wake_strategy::bounded_poll},
+};
+}  // namespace
+
+TEST_CASE("only the head of each stream's FIFO is queried, and a stream completes in order") {
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::stream busy(0), idle(0);
+  gdr_test::busy_work work;
+  std::vector<int> order;
+  probe_op ops[4];
+  for (int i = 0; i < 4; ++i) {
+    ops[i].order = &order;
+    ops[i].id = i;
+  }
+  work.queue(busy, 8);  // ~2 ms of copies
+  REQUIRE_FALSE(events.enqueue(busy.get(), 0, &ops[0]));
+  REQUIRE_FALSE(events.enqueue(busy.get(), 0, &ops[1]));
+  REQUIRE_FALSE(events.enqueue(busy.get(), 0, &ops[2]));
+  REQUIRE(cudaStreamSynchronize(idle.get()) == cudaSuccess);
+  REQUIRE_FALSE(events.enqueue(idle.get(), 0, &ops[3]));
+  CHECK(events.pending() == 4);
+  REQUIRE(cudaStreamSynchronize(idle.get()) == cudaSuccess);
+  const auto q0 = events.stats().queries;
+  gdr::poll_status st = events.poll();
+  // The idle stream's event is done; the busy stream's head is not, and its
+  // two followers are not even queried.
+  CHECK(st.did_work);
+  CHECK(order == std::vector<int>{3});
+  CHECK(events.stats().queries - q0 == 2);
+  CHECK(st.sleep_bound == events.options().poll_interval);
+  while (events.pending() != 0) sched.run_once();
+  CHECK(order == std::vector<int>{3, 0, 1, 2});
+  for (auto& op : ops) CHECK(op.res == 0);
+}
+
+TEST_CASE("events are pooled: a thousand waits create one event") {
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::stream s(0);
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    for (int i = 0; i < 1000; ++i) co_await gdr::cuda::synchronize(s);
+  }());
+  CHECK(events.stats().completed == 1000);
+  CHECK(events.stats().events_created == 1);
+}
+
+TEST_CASE("a wait on a busy stream completes through the scheduler in every mode and strategy") {
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr_test::busy_work work;
+  gdr::cuda::stream s(0);
+  for (const config& c : configs) {
+    CAPTURE(c.name);
+    gdr::scheduler sched({.mode = c.mode});
+    gdr::cuda::event_poller events(sched, {.wake = c.wake, .poll_interval = 50us});
+    work.queue(s, 4);  // ~1 ms
+    const auto t0 = std::chrono::steady_clock::now();
+    gdr::sync_wait(sched, [&]() -> gdr::task<> { co_await gdr::cuda::synchronize(s); }());
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    CHECK(s.query().value());  // resumed only after the GPU finished
+    CHECK(events.stats().completed == 1);
+    const auto& ss = sched.stats();
+    MESSAGE(c.name << ": waited " << std::chrono::duration<double, std::micro>(waited).count() << " us, "
+                   << events.stats().queries << " queries, " << ss.sleeps << " sleeps, " << ss.iterations
+                   << " iterations, " << events.host_funcs_run() << " host functions run");
+    if (c.mode == gdr::run_mode::busy_poll) {
+      CHECK(ss.sleeps == 0);
+      CHECK(events.stats().host_funcs == 0);
+    } else if (c.wake == gdr::cuda::wake_strategy::host_func) {
+      CHECK(events.stats().host_funcs == 1);
+      CHECK(ss.sleeps >= 1);
+      // Slept without a bound until the host function's eventfd write: a few
+      // queries, not one per interval.
+      CHECK(events.stats().queries <= 4);
+    } else {
+      CHECK(events.stats().host_funcs == 0);
+      CHECK(ss.sleeps >= 1);
+      CHECK(events.stats().queries >= 2);
+    }
+  }
+}
+
+TEST_CASE("the destructor waits for host functions still in flight") {
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr::cuda::stream s(0);
+  gdr_test::busy_work work;
+  for (int round = 0; round < 20; ++round) {
+    gdr::scheduler sched({.mode = gdr::run_mode::sleep});
+    gdr::cuda::event_poller events(sched, {.wake = gdr::cuda::wake_strategy::host_func});
+    if (round % 2) work.queue(s, 1);
+    gdr::sync_wait(sched, [&]() -> gdr::task<> { co_await gdr::cuda::synchronize(s); }());
+    // The event completed; its host function may not have run yet. Leaving
+    // the scope must not free what the callback touches before it returns.
+  }
+  CHECK(cudaStreamSynchronize(s.get()) == cudaSuccess);
+}
+
+TEST_CASE("waits on two streams complete independently") {
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::stream busy(0), idle(0);
+  gdr_test::busy_work work;
+  work.queue(busy, 8);
+  bool idle_done = false, busy_still_running = false;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    co_await gdr::cuda::synchronize(idle);
+    idle_done = true;
+    busy_still_running = !busy.query().value();
+    co_await gdr::cuda::synchronize(busy);
+  }());
+  CHECK(idle_done);
+  CHECK(busy_still_running);
+  CHECK(busy.query().value());
+}
+
+TEST_CASE("a not-ready query leaves no last error for unrelated code to find") {
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::stream s(0);
+  gdr_test::busy_work work;
+  work.queue(s, 4);
+  std::vector<int> order;
+  probe_op op;
+  op.order = &order;
+  REQUIRE_FALSE(events.enqueue(s.get(), 0, &op));
+  (void)events.poll();
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  while (events.pending() != 0) sched.run_once();
+}
