@@ -1,0 +1,145 @@
+/// \file
+/// `gdr::tcp::listener`: a listening socket whose `accept()` is an io_uring
+/// operation (`IORING_OP_ACCEPT`) returning a `tcp::endpoint`.
+///
+/// \code
+///   gdr::tcp::listener l(sched, "127.0.0.1:0");        // port 0: the kernel picks one
+///   std::string where = l.local_address().to_string();  // "127.0.0.1:43127": publish it
+///   gdr::tcp::endpoint ep = co_await l.accept();
+/// \endcode
+///
+/// For a bootstrap mesh: every rank makes a listener on port 0, publishes
+/// `local_address()`, then accepts from the ranks that connect to it and
+/// `tcp::connect`s to the others. Many accepts may be pending at once; each
+/// takes one connection.
+#pragma once
+
+#include <sys/socket.h>
+
+#include <string_view>
+#include <utility>
+
+#include <gdr/error.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/common.hpp>
+#include <gdr/transport/tcp/endpoint.hpp>
+#include <gdr/transport/tcp/socket.hpp>
+#include <gdr/transport/tcp/socket_op.hpp>
+
+namespace gdr::tcp {
+
+/// Awaitable of `listener::accept`: `co_await` gives a `tcp::endpoint` or
+/// throws `gdr::error`; `.as_result()` gives `result<endpoint>`.
+class accept_awaitable : public gdr::detail::tcp::socket_op<accept_awaitable, endpoint> {
+ public:
+  accept_awaitable(scheduler& s, int fd, op_options opts, memory_registry& reg, const endpoint_options& eopts) noexcept
+      : socket_op(s, std::move(opts)), fd_(fd), registry_(&reg), eopts_(eopts) {
+    if (fd < 0) early_ = errc::closed;
+  }
+  accept_awaitable(accept_awaitable&&) noexcept = default;
+
+  void prepare(io_uring_sqe* sqe) noexcept { io_uring_prep_accept(sqe, fd_, nullptr, nullptr, SOCK_CLOEXEC); }
+
+  result<endpoint> finish(std::error_code failed) noexcept {
+    if (failed) {
+      // A listener shut down under a pending accept reports EINVAL: say what
+      // happened instead.
+      if (failed == std::error_code(errno_code(EINVAL))) return errc::closed;
+      return failed;
+    }
+    // From here the descriptor is owned (and closed on any failure below).
+    socket sock(res_);
+    try {
+      return endpoint(*sched_, std::move(sock), *registry_, eopts_);
+    } catch (const gdr::error& e) {
+      return e.code();
+    } catch (...) {
+      return errno_code(ENOMEM);
+    }
+  }
+
+ private:
+  int fd_;
+  memory_registry* registry_;
+  endpoint_options eopts_;
+};
+
+/// A bound, listening TCP socket. Move-only.
+///
+/// Thread-safety: `accept` on the scheduler's thread; the rest anywhere
+/// (as a file descriptor).
+class listener {
+ public:
+  /// Binds to `at` (port 0: any free port; see `local_address`) and
+  /// listens. Accepted endpoints live on `sched`, serve one-sided requests
+  /// from `registry` and are tuned by `eopts`. Throws `gdr::error` (the
+  /// errno of socket/bind/listen).
+  listener(scheduler& sched, const address& at, memory_registry& registry = default_registry(),
+           const endpoint_options& eopts = {}, int backlog = SOMAXCONN)
+      : sched_(&sched), registry_(&registry), eopts_(eopts) {
+    result<socket> s = socket::open_stream(at);
+    if (!s) throw gdr::error(s.error(), "gdr::tcp::listener: socket");
+    sock_ = std::move(*s);
+    // A restarted job may rebind its port while old connections linger in
+    // TIME_WAIT.
+    if (std::error_code ec = sock_.set_int(SOL_SOCKET, SO_REUSEADDR, 1)) throw gdr::error(ec, "gdr::tcp::listener");
+    if (::bind(sock_.native_handle(), at.native(), at.native_size()) != 0)
+      throw gdr::error(errno_code(errno), "gdr::tcp::listener: bind " + at.to_string());
+    if (::listen(sock_.native_handle(), backlog) != 0) throw gdr::error(errno_code(errno), "gdr::tcp::listener: listen");
+  }
+
+  /// Binds to the address in `at`, parsed by `address::parse`.
+  listener(scheduler& sched, std::string_view at, memory_registry& registry = default_registry(),
+           const endpoint_options& eopts = {}, int backlog = SOMAXCONN)
+      : listener(sched, parse_or_throw(at), registry, eopts, backlog) {}
+
+  listener(listener&&) noexcept = default;
+  listener& operator=(listener&& o) noexcept {
+    if (this != &o) {
+      close();
+      sched_ = o.sched_;
+      registry_ = o.registry_;
+      eopts_ = o.eopts_;
+      sock_ = std::move(o.sock_);
+    }
+    return *this;
+  }
+  ~listener() { close(); }
+
+  /// Waits for the next connection. `opts.timeout` bounds the wait
+  /// (`errc::timed_out`), `opts.stop` cancels it; after `close()`, pending
+  /// and later accepts fail with `errc::closed`.
+  accept_awaitable accept(op_options opts = {}) const noexcept {
+    return {*sched_, sock_.native_handle(), std::move(opts), *registry_, eopts_};
+  }
+
+  /// The bound address, with the port the kernel chose for port 0.
+  address local_address() const noexcept {
+    result<address> a = sock_.local_address();
+    return a ? *a : address{};
+  }
+
+  /// Stops listening: pending accepts complete with `errc::closed`
+  /// (shutting a listening socket down wakes its accepts with EINVAL).
+  void close() noexcept {
+    if (sock_.valid()) {
+      ::shutdown(sock_.native_handle(), SHUT_RDWR);
+      sock_.close();
+    }
+  }
+
+ private:
+  static address parse_or_throw(std::string_view at) {
+    result<address> a = address::parse(at);
+    if (!a) throw gdr::error(a.error(), "gdr::tcp::listener: bad address");
+    return *a;
+  }
+
+  scheduler* sched_;
+  memory_registry* registry_;
+  endpoint_options eopts_;
+  socket sock_{};
+};
+
+}  // namespace gdr::tcp

@@ -1,0 +1,349 @@
+// gdr/transport/tcp/endpoint.hpp: two-sided messages over 127.0.0.1, one process.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include <gdr/sched/timer.hpp>
+#include <gdr/transport/tcp.hpp>
+
+#include "tests/transport/tcp/tcp_test_util.hpp"
+
+using gdr::transfer_path;
+namespace tcp = gdr::tcp;
+using tcp_test::connected_pair;
+
+// ---- compile-time facts: the traits table rows of the TCP transport ----
+static_assert(gdr::transport_traits<tcp::transport, gdr::Host>::supported);
+static_assert(gdr::transport_traits<tcp::transport, gdr::Host>::zero_copy);
+static_assert(gdr::transport_traits<tcp::transport, gdr::Pinned>::supported);
+static_assert(gdr::transport_traits<tcp::transport, gdr::Pinned>::zero_copy);
+static_assert(!gdr::transport_traits<tcp::transport, gdr::Device>::supported);
+static_assert(!gdr::transport_traits<tcp::transport, gdr::Device>::zero_copy);
+static_assert(!gdr::transport_supports<tcp::transport, gdr::Device>);
+
+namespace {
+
+std::vector<std::byte> pattern(std::size_t n, unsigned seed) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 131 + seed * 7 + (i >> 9)) & 0xff);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("a small message goes from one endpoint to the other over loopback") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  std::array<int, 4> out{1, 2, 3, 4}, in{};
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    auto r = b.recv(gdr::host_view(in));
+    std::size_t sent = co_await a.send(gdr::host_view(out));
+    std::size_t got = co_await std::move(r);
+    CHECK(sent == 16);
+    CHECK(got == 16);
+    CHECK(a.last_path() == transfer_path::host_zero_copy);  // iovec from the user's buffer
+    CHECK(b.last_path() == transfer_path::host_eager);      // small: through the staging buffer
+    CHECK(a.stats().sends == 1);
+    CHECK(a.stats().bytes_sent == 16);
+    CHECK(b.stats().recvs == 1);
+    CHECK(b.stats().bytes_received == 16);
+    co_await a.close();
+    co_await b.close();
+  }());
+  CHECK(in == out);
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("a message sent before its receive is posted is kept and delivered") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::vector<int> out(100);
+    std::iota(out.begin(), out.end(), 7);
+    co_await a.send(gdr::host_view(out));
+    co_await a.send(gdr::host_view(out).first(10));
+    // Let the reader take both in before any receive exists.
+    for (int i = 0; i < 20 && b.stats().unexpected < 2; ++i) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    CHECK(b.stats().unexpected == 2);
+    std::vector<int> in(100, -1);
+    CHECK(co_await b.recv(gdr::host_view(in)) == 400);
+    CHECK(in == out);
+    CHECK(co_await b.recv(gdr::host_view(in)) == 40);
+    CHECK(in[9] == 16);
+    CHECK(b.last_path() == transfer_path::host_eager);
+    co_await a.close();
+    co_await b.close();
+  }());
+}
+
+TEST_CASE("message boundaries are kept, in order, whatever the sizes") {
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched;
+  // Sizes around the eager limit (16 KiB), the staging buffer (64 KiB) and beyond.
+  const std::vector<std::size_t> sizes = {0,     1,     7,     40,     1000,   16383,  16384, 16385,
+                                          65535, 65536, 65537, 100000, 1 << 20, 3, (4 << 20) + 3, 2};
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::vector<std::vector<std::byte>> outs, ins;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      outs.push_back(pattern(sizes[i], static_cast<unsigned>(i)));
+      ins.emplace_back(sizes[i] + 16);  // room to spare: the size must come from the message
+    }
+    int done = 0;
+    std::vector<std::size_t> got(sizes.size(), 12345);
+    // Receives are posted first for the first half, after the sends for the rest.
+    for (std::size_t i = 0; i < sizes.size() / 2; ++i) {
+      tcp_test::spawn([&, i]() -> gdr::task<> { got[i] = co_await b.recv(gdr::host_view(ins[i])); }, done);
+    }
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      tcp_test::spawn([&, i]() -> gdr::task<> { co_await a.send(gdr::host_view(outs[i])); }, done);
+    }
+    for (std::size_t i = sizes.size() / 2; i < sizes.size(); ++i) {
+      tcp_test::spawn([&, i]() -> gdr::task<> { got[i] = co_await b.recv(gdr::host_view(ins[i])); }, done);
+    }
+    while (done < static_cast<int>(2 * sizes.size())) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      CHECK(got[i] == sizes[i]);
+      CHECK(std::equal(outs[i].begin(), outs[i].end(), ins[i].begin()));
+    }
+    CHECK(a.stats().sends == sizes.size());
+    CHECK(b.stats().recvs == sizes.size());
+    CHECK(b.stats().on_path(transfer_path::host_zero_copy) > 0);  // the large ones
+    CHECK(b.stats().on_path(transfer_path::host_eager) > 0);      // the small ones
+    co_await a.close();
+    co_await b.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("a message larger than the receive view is truncated and the stream stays in step") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    for (std::size_t size : {std::size_t{100}, std::size_t{200000}, std::size_t{3 << 20}}) {
+      CAPTURE(size);
+      auto out = pattern(size, 3);
+      std::vector<std::byte> small(50, std::byte{0xEE});
+      std::vector<std::byte> guard_after(64, std::byte{0xAB});
+      // The view is the first 40 bytes of `small`: the 10 after must stay untouched.
+      auto r = b.recv(gdr::host_view(small).first(40));
+      co_await a.send(gdr::host_view(out));
+      gdr::result<std::size_t> res = co_await std::move(r).as_result();
+      CHECK(res.error() == gdr::errc::truncated);
+      CHECK(std::equal(small.begin(), small.begin() + 40, out.begin()));
+      CHECK(small[40] == std::byte{0xEE});
+      CHECK(small[49] == std::byte{0xEE});
+      // The next message arrives whole: the rest of the long one was dropped.
+      std::array<int, 3> next{5, 6, 7}, next_in{};
+      auto r2 = b.recv(gdr::host_view(next_in));
+      co_await a.send(gdr::host_view(next));
+      CHECK(co_await std::move(r2) == 12);
+      CHECK(next_in == next);
+    }
+    CHECK(b.is_open());
+    // A truncated early (kept) message is reported the same way.
+    std::array<int, 8> eight{};
+    co_await a.send(gdr::host_view(eight));
+    for (int i = 0; i < 20 && b.stats().unexpected == 0; ++i) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    std::array<int, 2> two{};
+    CHECK((co_await b.recv(gdr::host_view(two)).as_result()).error() == gdr::errc::truncated);
+    co_await a.close();
+    co_await b.close();
+  }());
+}
+
+TEST_CASE("many concurrent sends and receives on one endpoint are matched in order") {
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched;
+  constexpr int n = 500;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::vector<std::array<std::uint32_t, 4>> outs(n), ins(n);
+    for (int i = 0; i < n; ++i) outs[i] = {static_cast<std::uint32_t>(i), 1, 2, static_cast<std::uint32_t>(i * i)};
+    int done = 0;
+    std::vector<int> order;
+    for (int i = 0; i < n; ++i) {
+      tcp_test::spawn([&, i]() -> gdr::task<> {
+        co_await b.recv(gdr::host_view(ins[i]));
+        order.push_back(i);
+      }, done);
+    }
+    for (int i = 0; i < n; ++i) {
+      tcp_test::spawn([&, i]() -> gdr::task<> { co_await a.send(gdr::host_view(outs[i])); }, done);
+    }
+    while (done < 2 * n) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    // The i-th receive posted got the i-th message sent, and they resumed in that order.
+    CHECK(ins == outs);
+    std::vector<int> expected(n);
+    std::iota(expected.begin(), expected.end(), 0);
+    CHECK(order == expected);
+    CHECK(a.stats().writes < static_cast<std::uint64_t>(n));  // frames share system calls
+    co_await a.close();
+    co_await b.close();
+  }());
+}
+
+TEST_CASE("both directions work at once, on many endpoints of one scheduler") {
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched;
+  constexpr int pairs = 8, msgs = 50;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    std::vector<tcp::endpoint> left, right;
+    for (int p = 0; p < pairs; ++p) {
+      auto [a, b] = co_await connected_pair(sched);
+      left.push_back(std::move(a));
+      right.push_back(std::move(b));
+    }
+    int done = 0, bad = 0;
+    for (int p = 0; p < pairs; ++p) {
+      for (tcp::endpoint* ep : {&left[p], &right[p]}) {
+        tcp_test::spawn([&, ep, p]() -> gdr::task<> {
+          for (int m = 0; m < msgs; ++m) {
+            std::array<int, 2> v{p, m};
+            co_await ep->send(gdr::host_view(v));
+          }
+        }, done);
+        tcp_test::spawn([&, ep, p]() -> gdr::task<> {
+          for (int m = 0; m < msgs; ++m) {
+            std::array<int, 2> v{};
+            co_await ep->recv(gdr::host_view(v));
+            if (v[0] != p || v[1] != m) ++bad;
+          }
+        }, done);
+      }
+    }
+    while (done < 4 * pairs) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    CHECK(bad == 0);
+    for (auto& ep : left) co_await ep.close();
+    for (auto& ep : right) co_await ep.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("a large message with no receive posted stops the reader instead of buffering it") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    auto out = pattern(32 << 20, 9);  // more than the socket buffers hold
+    int done = 0;
+    tcp_test::spawn([&]() -> gdr::task<> { co_await a.send(gdr::host_view(out)); }, done);
+    co_await gdr::sleep_for(std::chrono::milliseconds(50));
+    CHECK(done == 0);                   // TCP flow control holds the sender
+    CHECK(b.stats().unexpected == 0);  // nothing was copied aside
+    std::vector<std::byte> in(out.size());
+    CHECK(co_await b.recv(gdr::host_view(in)) == out.size());
+    while (done == 0) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    CHECK(in == out);
+    CHECK(b.last_path() == transfer_path::host_zero_copy);
+    co_await a.close();
+    co_await b.close();
+  }());
+}
+
+TEST_CASE("the result form reports errors without throwing and the throwing form throws gdr::error") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::array<int, 8> out{};
+    std::array<int, 1> one{};
+    auto r = b.recv(gdr::host_view(one));
+    co_await a.send(gdr::host_view(out));
+    bool threw = false;
+    try {
+      co_await std::move(r);
+    } catch (const gdr::error& e) {
+      threw = e.code() == gdr::errc::truncated;
+    }
+    CHECK(threw);
+    co_await a.close();
+    gdr::result<std::size_t> after = co_await a.send(gdr::host_view(out)).as_result();
+    CHECK(after.error() == gdr::errc::closed);
+    co_await b.close();
+  }());
+}
+
+TEST_CASE("addresses parse and print") {
+  auto a = tcp::address::parse("127.0.0.1:5000");
+  REQUIRE(a);
+  CHECK(a->port() == 5000);
+  CHECK(a->to_string() == "127.0.0.1:5000");
+  auto b = tcp::address::parse("[::1]:80");
+  REQUIRE(b);
+  CHECK(b->family() == AF_INET6);
+  CHECK(b->to_string() == "[::1]:80");
+  CHECK(tcp::address::parse("localhost:1")->to_string() == "127.0.0.1:1");
+  CHECK(tcp::address::parse(":7")->to_string() == "0.0.0.0:7");
+  CHECK(tcp::address::parse(*b->to_string().c_str() ? b->to_string() : "")->port() == 80);
+  for (const char* bad : {"", "127.0.0.1", "127.0.0.1:", "127.0.0.1:65536", "1.2.3:4", "example.com:80", "[::1:80",
+                          "127.0.0.1:8x", "[zz]:1"}) {
+    CAPTURE(bad);
+    CHECK(tcp::address::parse(bad).error() == gdr::errc::invalid_argument);
+  }
+}
+
+TEST_CASE("an endpoint over IPv6 loopback works like one over IPv4") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    std::optional<tcp::listener> l;
+    try {
+      l.emplace(sched, tcp::address::loopback6(0));
+    } catch (const gdr::error&) {
+      co_return;  // no IPv6 on this machine
+    }
+    auto acc = l->accept();
+    tcp::endpoint a = co_await tcp::connect(sched, l->local_address().to_string());
+    tcp::endpoint b = co_await std::move(acc);
+    std::array<char, 5> out{'h', 'e', 'l', 'l', 'o'}, in{};
+    co_await a.send(gdr::host_view(out));
+    CHECK(co_await b.recv(gdr::host_view(in)) == 5);
+    CHECK(in == out);
+    co_await a.close();
+    co_await b.close();
+  }());
+}
+
+TEST_CASE("connecting to a port nobody listens on fails with ECONNREFUSED") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  std::uint16_t port = 0;
+  int fd = tcp_test::raw_listen(port);
+  ::close(fd);  // the port is free again: nobody listens
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto r = co_await tcp::connect(sched, tcp::address::loopback(port)).as_result();
+    CHECK(r.error() == std::errc::connection_refused);
+    auto bad = co_await tcp::connect(sched, "not an address").as_result();
+    CHECK(bad.error() == gdr::errc::invalid_argument);
+  }());
+}
+
+TEST_CASE("no file descriptor is left open after endpoints close or are destroyed") {
+  tcp_test::watchdog wd(30);
+  int before = tcp_test::open_fds();
+  {
+    gdr::scheduler sched;
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      for (int i = 0; i < 10; ++i) {
+        auto [a, b] = co_await connected_pair(sched);
+        std::array<int, 1> v{i};
+        co_await a.send(gdr::host_view(v));
+        co_await b.recv(gdr::host_view(v));
+        if (i % 2 == 0) {
+          co_await a.close();
+          co_await b.close();
+        }  // odd: destroyed open (aborted)
+      }
+    }());
+    sched.drain();  // the aborted ones hand their buffers back
+  }
+  CHECK(tcp_test::open_fds() == before);
+}
