@@ -65,6 +65,7 @@
 #include <gdr/cuda/stream.hpp>
 
 #include <atomic>
+#include <cassert>
 #include <chrono>
 #include <coroutine>
 #include <cstdint>

@@ -101,7 +101,7 @@ TEST_CASE("only the head of each stream's FIFO is queried, and a stream complete
   for (auto& op : ops) CHECK(op.res == 0);
 }
 
-TEST_CASE("events are pooled: a thousand waits create one event") {
+TEST_CASE("events are pooled, so a thousand waits create one event") {
   if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
   gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
   gdr::cuda::event_poller events(sched);
@@ -138,8 +138,8 @@ TEST_CASE("a wait on a busy stream completes through the scheduler in every mode
       CHECK(events.stats().host_funcs == 1);
       CHECK(ss.sleeps >= 1);
       // Slept without a bound until the host function's eventfd write: a few
-      // queries, not one per interval.
-      CHECK(events.stats().queries <= 4);
+      // queries (about 3), not one per interval.
+      CHECK(events.stats().queries <= 6);
     } else {
       CHECK(events.stats().host_funcs == 0);
       CHECK(ss.sleeps >= 1);
