@@ -35,9 +35,24 @@
 /// In `run_mode::busy_poll` neither matters: the loop never sleeps, and (A)
 /// enqueues no host function.
 ///
-/// Default: (B), bounded polling at 20 us. Measured on the lent H200
-/// (benchmarks/RESULTS.md, section (c)): see there for the numbers behind the
-/// choice.
+/// Default: (B), bounded polling at 20 us, chosen by measurement on an H200
+/// (benchmarks/cuda_event_bench.cpp; numbers in benchmarks/RESULTS.md,
+/// section (c)). Latency added to the raw spin loop's median, and process CPU:
+///
+///   GPU work before the event     (A) host_func        (B) 20 us           (B) 50 us
+///   8 B H2D copy      (5.5 us)    +9.6 us,  90% core   +21.6 us, 29%       +52 us, 15%
+///   16 MiB D2D       (13.6 us)    +31 us,   58%        +16.6 us, 36%       +47 us, 18%
+///   256 MiB D2D       (135 us)    +31 us,   15%        +14.4 us, 21%       +33 us, 12%
+///   1 GiB D2D         (513 us)    +74 us,    8%        +12.0 us, 23%       +39 us, 10%
+///                                 (p99 +490 us)        (p99 +37 us)
+///
+/// (B) at 20 us adds 12-22 us at every size with a tight tail; (A) adds 10 us
+/// only for the shortest work and 30-75 us otherwise (the driver's callback
+/// thread wakes late and its tail is long), and holds the stream while its
+/// callback runs. (A) wins on CPU for waits of half a millisecond or more (8%
+/// against 23% of a core), so it stays available for long kernels on
+/// CPU-starved hosts. Busy polling matches the raw loop (1.00-1.01x) at 100%
+/// of a core. With nothing pending, the poller never limits the sleep.
 ///
 /// Completion context: operations complete inside `poll()`, on the thread that
 /// runs the scheduler, with `res` = 0 on success or the negated `cudaError_t`.

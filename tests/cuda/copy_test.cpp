@@ -71,7 +71,8 @@ TEST_CASE("co_await copy round-trips random data in busy_poll and sleep mode wit
   gdr::buffer<std::uint32_t, gdr::Device> d(n), d2(n);
   std::uint32_t seed = 100;
   for (const config& c : configs) {
-    CAPTURE(c.name);
+    const std::string name = c.name;  // doctest prints a plain const char* as an address
+    CAPTURE(name);
     gdr::scheduler sched({.mode = c.mode});
     gdr::cuda::event_poller events(sched, {.wake = c.wake, .poll_interval = 30us});
     gdr_test::fill_random(in.data(), n, ++seed);

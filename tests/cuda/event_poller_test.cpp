@@ -118,7 +118,8 @@ TEST_CASE("a wait on a busy stream completes through the scheduler in every mode
   gdr_test::busy_work work;
   gdr::cuda::stream s(0);
   for (const config& c : configs) {
-    CAPTURE(c.name);
+    const std::string name = c.name;  // doctest prints a plain const char* as an address
+    CAPTURE(name);
     gdr::scheduler sched({.mode = c.mode});
     gdr::cuda::event_poller events(sched, {.wake = c.wake, .poll_interval = 50us});
     work.queue(s, 4);  // ~1 ms
@@ -128,7 +129,7 @@ TEST_CASE("a wait on a busy stream completes through the scheduler in every mode
     CHECK(s.query().value());  // resumed only after the GPU finished
     CHECK(events.stats().completed == 1);
     const auto& ss = sched.stats();
-    MESSAGE(c.name << ": waited " << std::chrono::duration<double, std::micro>(waited).count() << " us, "
+    MESSAGE(name << ": waited " << std::chrono::duration<double, std::micro>(waited).count() << " us, "
                    << events.stats().queries << " queries, " << ss.sleeps << " sleeps, " << ss.iterations
                    << " iterations, " << events.host_funcs_run() << " host functions run");
     if (c.mode == gdr::run_mode::busy_poll) {

@@ -62,7 +62,7 @@ TEST_CASE("pinned memory is page-locked, by CUDA or by mlock") {
   std::memset(r->ptr, 0x5a, bytes);
   CHECK(static_cast<unsigned char*>(r->ptr)[bytes - 1] == 0x5a);
   if (r->method == gdr::alloc_method::mmap_mlock) {
-    MESSAGE("Pinned via mmap+mlock (no CUDA driver here): page-locked for NICs, unknown to CUDA");
+    MESSAGE("Pinned via mmap+mlock (built without CUDA, or no GPU here): page-locked for NICs, unknown to CUDA");
     CHECK(vm_locked_kib() - before >= static_cast<long>(bytes / 1024));
   } else {
     CHECK(r->method == gdr::alloc_method::cuda_host_alloc);
