@@ -21,6 +21,8 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <exception>
+#include <utility>
 #include <vector>
 
 namespace perf {
@@ -106,6 +108,17 @@ inline int connect_to(std::uint16_t port) {
   return fd;
 }
 
+/// Runs a child's body; an exception is reported and ends the child with status 4.
+template <class F>
+void guarded(const char* who, F&& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gdr_perf: %s failed: %s\n", who, e.what());
+    std::_Exit(4);
+  }
+}
+
 /// Writes a sample to a pipe: its count, then the values.
 inline void send_sample(int fd, const sample& s) {
   std::size_t n = s.v.size();
@@ -161,10 +174,14 @@ inline sample collect(const config& cfg, pid_t srv, pid_t cli, int fd) {
   }
   ::close(fd);
   int st = 0;
-  ::waitpid(cli, &st, 0);
-  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) s.v.clear();
-  ::waitpid(srv, &st, 0);
-  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) s.v.clear();
+  for (auto [pid, who] : {std::pair{cli, "client"}, std::pair{srv, "server"}}) {
+    ::waitpid(pid, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      std::fprintf(stderr, "gdr_perf: %s ended with %s %d\n", who, WIFEXITED(st) ? "status" : "signal",
+                   WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+      s.v.clear();
+    }
+  }
   return s;
 }
 
@@ -179,7 +196,7 @@ inline sample run_pair(const config& cfg, const std::function<void(int)>& server
   if (srv < 0) die("fork");
   if (srv == 0) {
     pin(cfg.server_cpu);
-    server(lfd);
+    guarded("server", [&] { server(lfd); });
     std::_Exit(0);
   }
   ::close(lfd);
@@ -190,7 +207,7 @@ inline sample run_pair(const config& cfg, const std::function<void(int)>& server
   if (cli == 0) {
     ::close(p[0]);
     pin(cfg.client_cpu);
-    send_sample(p[1], client(connect_to(port)));
+    guarded("client", [&] { send_sample(p[1], client(connect_to(port))); });
     std::_Exit(0);
   }
   ::close(p[1]);
@@ -211,11 +228,11 @@ inline sample run_pair_port(const config& cfg, const std::function<void(std::uin
   if (srv == 0) {
     ::close(ready[0]);
     pin(cfg.server_cpu);
-    server(port, [&] {
+    guarded("server", [&] { server(port, [&] {
       char c = 1;
       if (::write(ready[1], &c, 1) != 1) std::_Exit(3);
       ::close(ready[1]);
-    });
+    }); });
     std::_Exit(0);
   }
   ::close(ready[1]);
@@ -234,7 +251,7 @@ inline sample run_pair_port(const config& cfg, const std::function<void(std::uin
   if (cli == 0) {
     ::close(p[0]);
     pin(cfg.client_cpu);
-    send_sample(p[1], client(port));
+    guarded("client", [&] { send_sample(p[1], client(port)); });
     std::_Exit(0);
   }
   ::close(p[1]);
