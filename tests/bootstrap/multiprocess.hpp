@@ -118,7 +118,8 @@ struct command_result {
   std::string output;  // stdout and stderr together
 };
 
-/// Runs `argv` (searched in PATH) with extra environment `env` ("K=V"),
+/// Runs `argv` (searched in PATH) with extra environment `env` ("K=V",
+/// replacing a variable of the same name),
 /// capturing its output, for at most `timeout`. On timeout it gets SIGTERM,
 /// then SIGKILL 5 s later (mpirun uses the grace period to end its ranks).
 inline command_result run_command(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
@@ -136,8 +137,16 @@ inline command_result run_command(const std::vector<std::string>& argv, std::chr
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // The environment, with `env`'s variables replacing those of the same name
+  // (getenv returns the first match, so duplicates would be ignored).
   std::vector<std::string> env_store;
-  for (char** e = environ; *e != nullptr; ++e) env_store.emplace_back(*e);
+  auto name_of = [](const std::string& kv) { return kv.substr(0, kv.find('=') + 1); };
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv = *e;
+    bool replaced = false;
+    for (const auto& x : env) replaced |= name_of(x) == name_of(kv);
+    if (!replaced) env_store.push_back(std::move(kv));
+  }
   for (const auto& e : env) env_store.push_back(e);
   std::vector<char*> envp;
   for (auto& e : env_store) envp.push_back(e.data());
