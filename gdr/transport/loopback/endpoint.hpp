@@ -657,13 +657,27 @@ using transfer_awaitable = gdr::detail::lb::transfer_op;
 /// Awaitable of `put`/`get` (never suspends); same two forms.
 using rma_awaitable = gdr::detail::lb::rma_op;
 
+/// Awaitable of `close`: the close has happened; `co_await` gives 0.
+struct close_awaitable {
+  bool await_ready() const noexcept { return true; }
+  void await_suspend(std::coroutine_handle<>) const noexcept {}
+  std::size_t await_resume() const noexcept { return 0; }
+  /// The same, as `result<std::size_t>` (for code written against the TCP endpoint).
+  auto as_result() && noexcept {
+    struct adapter : close_awaitable {
+      result<std::size_t> await_resume() const noexcept { return std::size_t{0}; }
+    };
+    return adapter{};
+  }
+};
+
 class endpoint;
 std::pair<endpoint, endpoint> make_pair(scheduler& a, scheduler& b, memory_registry& registry, options opts);
 
 /// One end of an in-process connection. Move-only; destroying it closes it.
 ///
 /// Thread-safety: operations are started and awaited on the scheduler the end
-/// was made for, and resume there; `close()`, `is_open()` may be called from
+/// was made for, and resume there; `close()`, `is_open()`, `error()` may be called from
 /// any thread; `stats()` and `last_path()` only on the scheduler's thread.
 class endpoint {
  public:
@@ -746,18 +760,26 @@ class endpoint {
                          remote.size_bytes(), remote.key(), std::move(opts.stop));
   }
 
-  /// Closes this end: its pending operations fail with `errc::closed`, the
-  /// peer's with `errc::connection_lost` (each resumes on its own scheduler).
-  /// Idempotent; any thread.
-  void close() noexcept {
+  /// Closes this end at once: its pending operations fail with
+  /// `errc::closed`, the peer's with `errc::connection_lost` (each resumes on
+  /// its own scheduler). Idempotent; any thread. Returns an awaitable that is
+  /// already complete (giving 0), so `co_await ep.close()` reads as it does
+  /// for the TCP endpoint, whose close flushes first; `ep.close();` alone
+  /// closes too. `opts` is accepted for the same reason and not needed.
+  close_awaitable close(op_options opts = {}) const noexcept {
+    (void)opts;
     if (ch_) gdr::detail::lb::close_side(*ch_, side_);
+    return {};
   }
 
   /// Neither end has closed.
-  bool is_open() const noexcept {
-    if (!ch_) return false;
+  bool is_open() const noexcept { return !error(); }
+  /// Why this end stopped working (`errc::closed`: closed here or belongs to
+  /// no pair; `errc::connection_lost`: the peer closed), or no error while open.
+  std::error_code error() const noexcept {
+    if (!ch_) return errc::closed;
     std::lock_guard lock(ch_->mu);
-    return !ch_->closed_error(side_);
+    return ch_->closed_error(side_);
   }
 
   /// The path of the last successful operation of this end.

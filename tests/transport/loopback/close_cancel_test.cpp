@@ -106,13 +106,22 @@ TEST_CASE("destroying an endpoint closes it") {
   CHECK(!pair.first.is_open());  // moved-from: belongs to no pair
 }
 
-TEST_CASE("close is idempotent") {
+TEST_CASE("close is idempotent, can be awaited like the TCP endpoint's, and error() says why an end stopped") {
   gdr::scheduler sched;
   auto [a, b] = lb::make_pair(sched);
+  CHECK(!a.error());
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    std::size_t n = co_await a.close();
+    CHECK(n == 0);
+    gdr::result<std::size_t> r = co_await a.close().as_result();
+    CHECK(r.has_value());
+  }());
   a.close();
-  a.close();
+  CHECK(a.error() == errc::closed);
+  CHECK(b.error() == errc::connection_lost);
   b.close();
   CHECK(!a.is_open());
+  CHECK(lb::endpoint().error() == errc::closed);
 }
 
 TEST_CASE("a stop request through op_options cancels a waiting receive") {
