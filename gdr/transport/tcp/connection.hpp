@@ -410,7 +410,7 @@ class endpoint_op {
   bool cancel_ran_ = false;
   int pending_ = 0;  // events to come before resumption: the result, the timer, a posted cancel
   std::error_code ec_{};
-  std::error_code deferred_cancel_{};  // put/get: cancelled while its request is being written
+  std::error_code deferred_cancel_{};  // cancelled while its frame is in a write in flight
   std::size_t bytes_ = 0;
   transfer_path path_ = transfer_path::none;
   endpoint_op* prev_ = nullptr;  // recv queue or awaiting-reply queue
@@ -445,6 +445,10 @@ struct rx_target {
 class connection {
  public:
   static constexpr std::size_t max_batch = 64;  // frames per sendmsg (2 iovecs each; IOV_MAX is 1024)
+  /// A frame with at least this much payload left ends a batch: frames
+  /// behind it stay unsealed (withdrawable) until it is out, instead of
+  /// waiting inside a write that a slow peer holds up.
+  static constexpr std::size_t batch_stop = 64 * 1024;
 
   /// Takes over `sock` (connected; options already applied) and starts
   /// reading. Call on `s`'s thread, or before `s` runs. Throws
@@ -515,20 +519,19 @@ class connection {
     if (op.result_set_) return;
     switch (op.kind_) {
       case endpoint_op::kind::send:
-        // Once sealed a send is committed: withdrawing it would leave a hole
-        // in the stream. It completes when written, or when the connection
-        // fails (documented at endpoint::send).
-        if (!op.tx_.sealed) complete(op, why);
-        break;
       case endpoint_op::kind::put:
       case endpoint_op::kind::get:
         if (!op.tx_.sealed) {
-          complete(op, why);
+          complete(op, why);  // still waiting in the queue: withdrawn
         } else if (op.tx_.queued) {
-          // The request is being written: its memory is the kernel's until
-          // then. The op completes once it is out; the reply is dropped.
+          // In a write in flight: the kernel holds its memory. If the write
+          // leaves the frame untouched it is withdrawn then (write_done);
+          // if any byte goes out it is committed: a send then completes
+          // normally (withdrawing it would leave a hole in the stream), a
+          // put/get completes with `why` once its request is out and its
+          // reply is dropped.
           if (!op.deferred_cancel_) op.deferred_cancel_ = why;
-        } else {
+        } else if (op.kind_ != endpoint_op::kind::send) {
           complete(op, why);  // awaiting the reply or its payload: orphan it
         }
         break;
@@ -791,7 +794,9 @@ class connection {
     if (it.slot != nullptr) {
       free_slot(it.slot);
     } else if (it.op != nullptr) {
-      complete(*it.op, error_);
+      // A close overtaken by a failure (or by the peer's own close) has
+      // nothing left to flush: it succeeds, as closing a failed endpoint does.
+      complete(*it.op, it.op->kind_ == endpoint_op::kind::close ? std::error_code{} : error_);
       try_finish(*it.op);
     }
   }
@@ -825,7 +830,7 @@ class connection {
     std::size_t iovn = 0;
     std::size_t payload = 0;
     std::size_t n = 0;
-    for (tx_item* it = tx_.head; it != nullptr && n < max_batch; it = it->next, ++n) {
+    for (tx_item* it = tx_.head; it != nullptr && n < max_batch; it = it->next) {
       if (!it->sealed) seal(*it);
       it->in_flight = true;
       std::size_t off = it->written;
@@ -840,6 +845,8 @@ class connection {
         iov_[iovn++] = {const_cast<std::byte*>(it->payload) + off, it->length - off};
         payload += it->length - off;
       }
+      ++n;
+      if (it->length - std::min(off, it->length) >= batch_stop) break;
     }
     batch_n_ = n;
     msg_.msg_iovlen = iovn;
@@ -899,7 +906,23 @@ class connection {
       if (close_op_ != nullptr) try_finish(*close_op_);
       return;
     }
+    unseal_untouched();
     start_write();
+  }
+
+  /// After a short write: the sealed frames the kernel took no byte of are
+  /// the last ones sealed, so they can be withdrawn again (numbers handed
+  /// back), and those cancelled meanwhile complete now.
+  void unseal_untouched() noexcept {
+    tx_item* it = tx_.head;
+    while (it != nullptr && it->sealed && it->written != 0) it = it->next;
+    while (it != nullptr && it->sealed) {
+      tx_item* next = it->next;
+      it->sealed = false;
+      --tx_seq_;
+      if (it->op != nullptr && it->op->deferred_cancel_) complete(*it->op, it->op->deferred_cancel_);
+      it = next;
+    }
   }
 
   /// Frame `it` is entirely in the kernel.

@@ -1,0 +1,369 @@
+// gdr/transport/tcp: orderly close, cancellation (both stop tokens, from any
+// thread) and timeouts, on every kind of operation.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <stop_token>
+#include <thread>
+#include <vector>
+
+#include <gdr/sched/timer.hpp>
+#include <gdr/transport/tcp.hpp>
+
+#include "tests/transport/tcp/tcp_test_util.hpp"
+
+// GCC 12 destroys an aggregate temporary twice when it is built inside a
+// co_await expression (here the op_options holding a stop token), so these
+// tests build the operation first and await it on the next line.
+namespace tcp = gdr::tcp;
+using namespace std::chrono_literals;
+using tcp_test::connected_pair;
+
+namespace {
+
+// An endpoint whose peer is a raw blocking socket, for byte-exact control.
+struct raw_peer {
+  tcp::endpoint ep;
+  int fd = -1;
+  std::uint32_t seq = 0;
+  ~raw_peer() {
+    if (fd >= 0) ::close(fd);
+  }
+  void write_data_header(std::uint64_t len) {
+    gdr::tcp::frame_header h;
+    h.type = gdr::tcp::frame_type::data;
+    h.seq = seq++;
+    h.length = len;
+    auto b = tcp_test::frame_bytes(h);
+    REQUIRE(tcp_test::raw_write(fd, b.data(), b.size()));
+  }
+};
+
+gdr::task<> make_raw_peer(gdr::scheduler& s, raw_peer& p) {
+  tcp::listener l(s, tcp::address::loopback(0));
+  auto acc = l.accept();
+  p.fd = tcp_test::raw_connect(l.local_address().port());  // the handshake needs no accept
+  p.ep = co_await std::move(acc);
+}
+
+}  // namespace
+
+TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it still works") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::array<int, 4> in{}, out{1, 2, 3, 4};
+    // Through op_options::stop.
+    std::stop_source src;
+    int done = 0;
+    gdr::result<std::size_t> r1 = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> {
+      auto op = b.recv(gdr::host_view(in), {.stop = src.get_token()});
+      r1 = co_await std::move(op).as_result();
+    }, done);
+    co_await gdr::sleep_for(5ms);
+    CHECK(done == 0);
+    src.request_stop();
+    while (done < 1) co_await gdr::nop();
+    CHECK(r1.error() == gdr::errc::cancelled);
+    // Through the awaiting coroutine's own stop token.
+    std::stop_source coro_src;
+    gdr::result<std::size_t> r2 = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> {
+      r2 = co_await gdr::with_stop_token(coro_src.get_token(), [&]() -> gdr::task<gdr::result<std::size_t>> {
+        co_return co_await b.recv(gdr::host_view(in)).as_result();
+      }());
+    }, done);
+    co_await gdr::sleep_for(5ms);
+    coro_src.request_stop();
+    while (done < 2) co_await gdr::nop();
+    CHECK(r2.error() == gdr::errc::cancelled);
+    // A stop already requested: completes without starting.
+    auto pre_stopped = b.recv(gdr::host_view(in), {.stop = src.get_token()});
+    CHECK((co_await std::move(pre_stopped).as_result()).error() == gdr::errc::cancelled);
+    // The endpoint is unharmed: the next message goes to the next recv.
+    auto r = b.recv(gdr::host_view(in));
+    co_await a.send(gdr::host_view(out));
+    CHECK(co_await std::move(r) == 16);
+    CHECK(in == out);
+    CHECK(b.stats().failed == 3);
+    co_await a.close();
+    co_await b.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("a recv with a timeout completes with timed_out and the endpoint stays usable") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::array<int, 2> in{}, out{8, 9};
+    auto t0 = std::chrono::steady_clock::now();
+    auto r = co_await b.recv(gdr::host_view(in), {.timeout = 30ms}).as_result();
+    auto waited = std::chrono::steady_clock::now() - t0;
+    CHECK(r.error() == gdr::errc::timed_out);
+    CHECK(waited >= 25ms);
+    CHECK(waited < 2s);
+    // A timeout that does not fire is removed: the op completes normally.
+    auto r2 = b.recv(gdr::host_view(in), {.timeout = 5s});
+    co_await a.send(gdr::host_view(out));
+    CHECK(co_await std::move(r2) == 8);
+    CHECK(in == out);
+    co_await a.close();
+    co_await b.close();
+  }());
+  CHECK(sched.inflight() == 0);  // both timers are gone
+}
+
+TEST_CASE("a recv cancelled while its message arrives drops that message and the stream stays in step") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  raw_peer p;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    co_await make_raw_peer(sched, p);
+    constexpr std::size_t len = 1 << 20;
+    std::vector<std::byte> payload(len, std::byte{0x5A});
+    std::vector<std::byte> in(len);
+    std::stop_source src;
+    int done = 0;
+    gdr::result<std::size_t> r = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> {
+      auto op = p.ep.recv(gdr::host_view(in), {.stop = src.get_token()});
+      r = co_await std::move(op).as_result();
+    }, done);
+    // Half the message: the rest is then read straight into `in`, and waits.
+    p.write_data_header(len);
+    REQUIRE(tcp_test::raw_write(p.fd, payload.data(), len / 2));
+    co_await gdr::sleep_for(20ms);
+    CHECK(done == 0);
+    CHECK(p.ep.stats().direct_reads >= 1);
+    src.request_stop();
+    while (done < 1) co_await gdr::nop();
+    CHECK(r.error() == gdr::errc::cancelled);
+    // The rest of that message, then the next one.
+    REQUIRE(tcp_test::raw_write(p.fd, payload.data() + len / 2, len - len / 2));
+    p.write_data_header(4);
+    REQUIRE(tcp_test::raw_write(p.fd, "next", 4));
+    std::array<char, 4> next{};
+    CHECK(co_await p.ep.recv(gdr::host_view(next)) == 4);
+    CHECK(std::string(next.data(), 4) == "next");
+    CHECK(p.ep.is_open());
+    co_await p.ep.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("a send waiting behind a large one is withdrawn by its timeout and never reaches the peer") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::vector<std::byte> big(32 << 20, std::byte{3});  // more than the socket buffers hold
+    int done = 0;
+    gdr::result<std::size_t> big_r = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> {
+      // Committed once it is in the kernel: its own timeout does not withdraw it.
+      big_r = co_await a.send(gdr::host_view(big), {.timeout = 10ms}).as_result();
+    }, done);
+    std::array<int, 1> withdrawn{111}, after{222};
+    auto r = co_await a.send(gdr::host_view(withdrawn), {.timeout = 20ms}).as_result();
+    CHECK(r.error() == gdr::errc::timed_out);
+    CHECK(done == 0);
+    int sent_after = 0;
+    tcp_test::spawn([&]() -> gdr::task<> { co_await a.send(gdr::host_view(after)); }, sent_after);
+    std::vector<std::byte> in(big.size());
+    CHECK(co_await b.recv(gdr::host_view(in)) == big.size());
+    std::array<int, 1> v{};
+    CHECK(co_await b.recv(gdr::host_view(v)) == 4);
+    CHECK(v[0] == 222);  // 111 never went out
+    while (done < 1 || sent_after < 1) co_await gdr::nop();
+    CHECK(big_r.has_value());
+    co_await a.close();
+    co_await b.close();
+  }());
+}
+
+TEST_CASE("a stop requested from another thread cancels a pending recv") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  std::stop_source src;
+  std::atomic<bool> waiting{false};
+  std::thread stopper([&] {
+    while (!waiting.load()) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(10ms);
+    src.request_stop();
+  });
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::array<int, 1> in{};
+    auto op = b.recv(gdr::host_view(in), {.stop = src.get_token()});
+    waiting.store(true);
+    CHECK((co_await std::move(op).as_result()).error() == gdr::errc::cancelled);
+    co_await a.close();
+    co_await b.close();
+  }());
+  stopper.join();
+}
+
+TEST_CASE("close flushes pending sends, then fails pending operations with closed; the peer sees connection_lost") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::memory_registry reg;
+  std::vector<int> mem(4);
+  auto r = gdr::register_memory(reg, gdr::host_view(mem));
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched, reg);
+    std::vector<std::byte> big(8 << 20, std::byte{1});
+    int done = 0;
+    gdr::result<std::size_t> sent = gdr::errc::busy, a_recv = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> { sent = co_await a.send(gdr::host_view(big)).as_result(); }, done);
+    std::array<int, 1> x{};
+    tcp_test::spawn([&]() -> gdr::task<> { a_recv = co_await a.recv(gdr::host_view(x)).as_result(); }, done);
+    gdr::result<std::size_t> closed = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> { closed = co_await a.close().as_result(); }, done);
+    // b receives everything a sent before closing...
+    std::vector<std::byte> in(big.size());
+    CHECK(co_await b.recv(gdr::host_view(in)) == big.size());
+    while (done < 3) co_await gdr::nop();
+    CHECK(sent.has_value());
+    CHECK(a_recv.error() == gdr::errc::closed);
+    CHECK(closed.has_value());
+    CHECK(a.native_handle() == -1);
+    // ...then its operations fail: the peer is gone.
+    CHECK((co_await b.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
+    CHECK((co_await b.send(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
+    CHECK((co_await b.put(gdr::host_view(x), r.describe().subview(0, 1)).as_result()).error() ==
+          gdr::errc::connection_lost);
+    // Operations on the closed end fail with closed; closing again succeeds.
+    CHECK((co_await a.send(gdr::host_view(x)).as_result()).error() == gdr::errc::closed);
+    CHECK((co_await a.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::closed);
+    CHECK((co_await a.close().as_result()).has_value());
+    CHECK(!a.is_open());
+    CHECK(b.error() == gdr::errc::connection_lost);
+    co_await b.close();
+    CHECK(b.error() == gdr::errc::closed);
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("close with a timeout aborts when the peer does not read") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::vector<std::byte> big(64 << 20, std::byte{1});
+    int done = 0;
+    gdr::result<std::size_t> sent = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> { sent = co_await a.send(gdr::host_view(big)).as_result(); }, done);
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK((co_await a.close({.timeout = 30ms}).as_result()).error() == gdr::errc::timed_out);
+    CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+    while (done < 1) co_await gdr::nop();
+    CHECK(sent.error() == gdr::errc::closed);  // committed, then aborted under it
+    std::vector<std::byte> in(big.size());
+    CHECK((co_await b.recv(gdr::host_view(in)).as_result()).error() == gdr::errc::connection_lost);
+    co_await b.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("destroying an endpoint with operations pending fails them with closed") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    int done = 0;
+    std::array<int, 1> in{};
+    gdr::result<std::size_t> r = gdr::errc::busy;
+    {
+      tcp::endpoint doomed = std::move(b);
+      tcp_test::spawn([&]() -> gdr::task<> { r = co_await doomed.recv(gdr::host_view(in)).as_result(); }, done);
+    }  // aborted here
+    while (done < 1) co_await gdr::nop();
+    CHECK(r.error() == gdr::errc::closed);
+    CHECK((co_await a.recv(gdr::host_view(in)).as_result()).error() == gdr::errc::connection_lost);
+    co_await a.close();
+  }());
+  sched.drain();
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("accept honours its timeout and stop token, and a closed listener wakes its accepts") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp::listener l(sched, "127.0.0.1:0");
+    CHECK((co_await l.accept({.timeout = 20ms}).as_result()).error() == gdr::errc::timed_out);
+    std::stop_source src;
+    int done = 0;
+    gdr::result<tcp::endpoint> stopped = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> {
+      auto op = l.accept({.stop = src.get_token()});
+      stopped = co_await std::move(op).as_result();
+    }, done);
+    co_await gdr::sleep_for(5ms);
+    src.request_stop();
+    while (done < 1) co_await gdr::nop();
+    CHECK(stopped.error() == gdr::errc::cancelled);
+    gdr::result<tcp::endpoint> woken = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> { woken = co_await l.accept().as_result(); }, done);
+    co_await gdr::sleep_for(5ms);
+    l.close();
+    while (done < 2) co_await gdr::nop();
+    CHECK(woken.error() == gdr::errc::closed);
+    CHECK((co_await l.accept().as_result()).error() == gdr::errc::closed);
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("connect honours its timeout when the peer's accept queue is full") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  std::uint16_t port = 0;
+  int lfd = tcp_test::raw_listen(port);
+  ::listen(lfd, 0);  // a queue of one, never accepted: later SYNs are dropped
+  std::vector<int> fillers;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    bool timed_out = false;
+    std::vector<tcp::endpoint> kept;
+    for (int i = 0; i < 8 && !timed_out; ++i) {
+      auto r = co_await tcp::connect(sched, tcp::address::loopback(port), {.timeout = 50ms}).as_result();
+      if (r) {
+        kept.push_back(std::move(*r));
+      } else {
+        CHECK(r.error() == gdr::errc::timed_out);
+        timed_out = true;
+      }
+    }
+    CHECK(timed_out);
+    for (auto& ep : kept) co_await ep.close();
+  }());
+  ::close(lfd);
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("both ends closing at once both succeed") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto [a, b] = co_await connected_pair(sched);
+    std::vector<std::byte> big(4 << 20, std::byte{1});
+    int done = 0;
+    gdr::result<std::size_t> ca = gdr::errc::busy, cb = gdr::errc::busy, sent = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> { sent = co_await a.send(gdr::host_view(big)).as_result(); }, done);
+    tcp_test::spawn([&]() -> gdr::task<> { ca = co_await a.close().as_result(); }, done);
+    tcp_test::spawn([&]() -> gdr::task<> { cb = co_await b.close().as_result(); }, done);
+    while (done < 3) co_await gdr::nop();
+    CHECK(ca.has_value());
+    CHECK(cb.has_value());
+    // The send was started before the close: it went out, or it failed
+    // because the peer closed under it; it did not hang.
+    CHECK((sent.has_value() || sent.error() == gdr::errc::connection_lost));
+  }());
+  CHECK(sched.inflight() == 0);
+}

@@ -1,0 +1,227 @@
+// gdr/transport/tcp across processes: a forked peer over 127.0.0.1, and the
+// fault test: the peer is SIGKILLed mid-stream, 100 times; every pending
+// operation must fail with connection_lost within 2 s, the scheduler must go
+// on serving other endpoints, and nothing may leak (run it under
+// --config=asan too).
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include <gdr/sched/timer.hpp>
+#include <gdr/transport/tcp.hpp>
+
+#include "tests/transport/tcp/tcp_test_util.hpp"
+
+namespace tcp = gdr::tcp;
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+// Forks a child that reads a port from a pipe, connects to it, and runs
+// `body(endpoint&)` on its own scheduler; its exit status is 0 if `body`
+// returned true. The parent gets the pid and the pipe's write end.
+template <class Body>
+pid_t fork_peer(int& port_pipe, Body body) {
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::close(p[1]);
+    std::uint16_t port = 0;
+    if (::read(p[0], &port, sizeof port) != sizeof port) ::_exit(2);
+    bool ok = false;
+    try {
+      gdr::scheduler s;
+      gdr::memory_registry reg;
+      gdr::sync_wait(s, [&]() -> gdr::task<> {
+        tcp::endpoint ep = co_await tcp::connect(s, tcp::address::loopback(port), {}, reg);
+        ok = co_await body(ep, reg);
+        co_await ep.close();
+      }());
+    } catch (...) {
+      ok = false;
+    }
+    ::_exit(ok ? 0 : 1);  // no atexit handlers, no doctest in the child
+  }
+  ::close(p[0]);
+  port_pipe = p[1];
+  return pid;
+}
+
+void send_port(int fd, std::uint16_t port) {
+  REQUIRE(::write(fd, &port, sizeof port) == sizeof port);
+  ::close(fd);
+}
+
+int wait_exit(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return status;
+}
+
+}  // namespace
+
+TEST_CASE("a forked peer process exchanges messages and serves put and get") {
+  tcp_test::watchdog wd(60);
+  int pipe_w = -1;
+  pid_t pid = fork_peer(pipe_w, [](tcp::endpoint& ep, gdr::memory_registry& reg) -> gdr::task<bool> {
+    // Echo server with a registered window the parent writes and reads.
+    std::vector<std::uint64_t> window(1024, 0);
+    auto r = gdr::register_memory(reg, gdr::host_view(window));
+    auto wire = r.describe(1).to_wire();
+    co_await ep.send(gdr::host_view(wire));
+    std::vector<std::byte> buf(8 << 20);
+    for (;;) {
+      std::size_t n = co_await ep.recv(gdr::host_view(buf));
+      if (n == 0) break;
+      co_await ep.send(gdr::host_view(buf).first(n));
+    }
+    // The parent has put 1..1024 and read them back; check them here too.
+    for (std::size_t i = 0; i < window.size(); ++i)
+      if (window[i] != i + 1) co_return false;
+    co_return true;
+  });
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp::listener l(sched, "127.0.0.1:0");
+    send_port(pipe_w, l.local_address().port());
+    tcp::endpoint ep = co_await l.accept({.timeout = 10s});
+    std::array<std::byte, 40> wire{};
+    CHECK(co_await ep.recv(gdr::host_view(wire)) == 40);
+    auto window = gdr::remote_view<std::uint64_t, gdr::Host>::from_wire(wire);
+    REQUIRE(window.has_value());
+    CHECK(window->peer() == 1);
+    for (std::size_t size : {std::size_t{1}, std::size_t{1000}, std::size_t{70000}, std::size_t{5 << 20}}) {
+      std::vector<std::byte> out(size), in(size);
+      for (std::size_t i = 0; i < size; ++i) out[i] = static_cast<std::byte>(i ^ size);
+      co_await ep.send(gdr::host_view(out));
+      CHECK(co_await ep.recv(gdr::host_view(in)) == size);
+      CHECK(in == out);
+    }
+    std::vector<std::uint64_t> vals(1024), back(1024);
+    for (std::size_t i = 0; i < vals.size(); ++i) vals[i] = i + 1;
+    CHECK(co_await ep.put(gdr::host_view(vals), *window) == 8192);
+    CHECK(co_await ep.get(gdr::host_view(back), *window) == 8192);
+    CHECK(back == vals);
+    auto bad = gdr::remote_view<std::uint64_t, gdr::Host>(window->address() + 8, 1024, window->key(), 1);
+    CHECK((co_await ep.get(gdr::host_view(back), bad).as_result()).error() == gdr::errc::remote_access);
+    std::array<std::byte, 0> none{};
+    co_await ep.send(gdr::host_view(none));  // "done"
+    // The child closes: this side sees the close after everything it sent.
+    std::array<std::byte, 8> x{};
+    CHECK((co_await ep.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
+    co_await ep.close();
+  }());
+  int status = wait_exit(pid);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("a peer killed mid-stream fails every pending operation with connection_lost within 2 s, 100 times") {
+  tcp_test::watchdog wd(300);
+  constexpr int trials = 100;
+  std::mt19937 rng(12345);
+  gdr::scheduler sched;
+  int fds_before = tcp_test::open_fds();
+  std::chrono::nanoseconds worst{0};
+  int failures = 0;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    // A bystander pair on the same scheduler: it must keep working.
+    auto [x, y] = co_await tcp_test::connected_pair(sched);
+    for (int t = 0; t < trials; ++t) {
+      int pipe_w = -1;
+      pid_t pid = fork_peer(pipe_w, [](tcp::endpoint& ep, gdr::memory_registry& reg) -> gdr::task<bool> {
+        std::vector<std::byte> window(1 << 20);
+        auto r = gdr::register_memory(reg, gdr::host_view(window));
+        auto wire = r.describe().to_wire();
+        co_await ep.send(gdr::host_view(wire));
+        // Stream large messages forever, never receive: the parent's sends
+        // and requests pile up behind flow control.
+        std::vector<std::byte> big(1 << 20, std::byte{0x42});
+        for (;;) co_await ep.send(gdr::host_view(big));
+      });
+      tcp::listener l(sched, "127.0.0.1:0");
+      send_port(pipe_w, l.local_address().port());
+      tcp::endpoint ep = co_await l.accept({.timeout = 10s});
+      std::array<std::byte, 40> wire{};
+      co_await ep.recv(gdr::host_view(wire));
+      auto window = gdr::remote_view<std::byte, gdr::Host>::from_wire(wire);
+
+      // Pending kinds: receives mid-payload, sends held by flow control, a
+      // get whose request the child never reads, a put likewise.
+      int done = 0;
+      std::vector<std::error_code> last(4);
+      std::vector<clock_type::time_point> ended(4);
+      tcp_test::spawn([&]() -> gdr::task<> {  // receiver: 4 MiB views, 1 MiB messages
+        std::vector<std::byte> in(4 << 20);
+        for (;;) {
+          auto r = co_await ep.recv(gdr::host_view(in)).as_result();
+          if (!r) { last[0] = r.error(); break; }
+        }
+        ended[0] = clock_type::now();
+      }, done);
+      tcp_test::spawn([&]() -> gdr::task<> {  // sender: 4 MiB messages nobody reads
+        std::vector<std::byte> out(4 << 20, std::byte{1});
+        for (;;) {
+          auto r = co_await ep.send(gdr::host_view(out)).as_result();
+          if (!r) { last[1] = r.error(); break; }
+        }
+        ended[1] = clock_type::now();
+      }, done);
+      tcp_test::spawn([&]() -> gdr::task<> {
+        std::vector<std::byte> dst(64 << 10);
+        auto r = co_await ep.get(gdr::host_view(dst), window->subview(0, dst.size())).as_result();
+        last[2] = r ? std::error_code{} : r.error();
+        ended[2] = clock_type::now();
+      }, done);
+      tcp_test::spawn([&]() -> gdr::task<> {
+        std::vector<std::byte> src(64 << 10, std::byte{3});
+        auto r = co_await ep.put(gdr::host_view(src), window->subview(0, src.size())).as_result();
+        last[3] = r ? std::error_code{} : r.error();
+        ended[3] = clock_type::now();
+      }, done);
+      co_await gdr::sleep_for(std::chrono::milliseconds(1 + rng() % 20));
+      CHECK(done == 0);  // all four still pending
+      auto killed = clock_type::now();
+      ::kill(pid, SIGKILL);
+      while (done < 4 && clock_type::now() - killed < 3s) co_await gdr::sleep_for(1ms);
+      CHECK(done == 4);  // no hang
+      for (int k = 0; k < 4; ++k) {
+        CAPTURE(t);
+        CAPTURE(k);
+        if (last[k] != gdr::errc::connection_lost) ++failures;
+        CHECK(last[k] == gdr::errc::connection_lost);
+        auto took = ended[k] - killed;
+        if (took > worst) worst = took;
+        CHECK(took < 2s);
+      }
+      int status = wait_exit(pid);
+      CHECK(WIFSIGNALED(status));
+      co_await ep.close();
+      l.close();
+      // The bystander still works.
+      std::array<int, 1> ping{t}, pong{};
+      auto rr = y.recv(gdr::host_view(pong));
+      co_await x.send(gdr::host_view(ping));
+      CHECK(co_await std::move(rr) == 4);
+      CHECK(pong[0] == t);
+    }
+    co_await x.close();
+    co_await y.close();
+  }());
+  MESSAGE("slowest failure after the kill: "
+          << std::chrono::duration_cast<std::chrono::microseconds>(worst).count() << " us");
+  CHECK(failures == 0);
+  CHECK(sched.inflight() == 0);
+  CHECK(tcp_test::open_fds() == fds_before);
+}
