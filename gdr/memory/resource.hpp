@@ -13,7 +13,9 @@
 ///           "pinned" for RDMA, not for CUDA; `allocation::method` says which
 ///           one a buffer got. `mlock` is bounded by `RLIMIT_MEMLOCK`
 ///           (`ulimit -l`); failure is an error with its errno, never a silent
-///           fallback to pageable memory.
+///           fallback to pageable memory. (One exception outside gdr's
+///           control: the sanitizers' runtime (ASan, TSan) intercepts `mlock`
+///           and ignores it, so under them this memory is not actually locked.)
 ///   Device  `cudaMalloc` on a device ordinal, with that device made current for
 ///           the call and restored after. Without a GPU: `errc::no_device`, and
 ///           `failure_message` says why (no driver, no device, bad ordinal).

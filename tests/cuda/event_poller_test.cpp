@@ -21,6 +21,11 @@
 
 using namespace std::chrono_literals;
 
+// Hot operation states live in coroutine frames: pin their size so growth is
+// a decision (STYLE.md, after UCX's test_obj_size).
+static_assert(sizeof(gdr::cuda::event_operation) <= 32);
+static_assert(sizeof(gdr::cuda::detail::synchronize_awaitable) <= 80);
+
 TEST_CASE("an event poller attaches to one scheduler and detaches when destroyed") {
   gdr::scheduler sched;
   CHECK(gdr::cuda::event_poller::of(sched) == nullptr);
