@@ -47,9 +47,9 @@
 ///                                 (p99 +490 us)        (p99 +37 us)
 ///
 /// (B) at 20 us adds 12-22 us at every size with a tight tail; (A) adds 10 us
-/// only for the shortest work and 30-75 us otherwise (the driver's callback
-/// thread wakes late and its tail is long), and holds the stream while its
-/// callback runs. (A) wins on CPU for waits of half a millisecond or more (8%
+/// only for the shortest work and 30-75 us otherwise, with a long tail (its
+/// wake-up passes through the driver's callback thread, which gdr does not
+/// control), and holds the stream while its callback runs. (A) wins on CPU for waits of half a millisecond or more (8%
 /// against 23% of a core), so it stays available for long kernels on
 /// CPU-starved hosts. Busy polling matches the raw loop (1.00-1.01x) at 100%
 /// of a core. With nothing pending, the poller never limits the sleep.
