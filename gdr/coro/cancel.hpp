@@ -99,10 +99,9 @@ struct token_awaiter {
   std::coroutine_handle<detail::task_promise<T>> h;
   std::stop_token st;
   bool await_ready() const noexcept { return false; }
-  std::coroutine_handle<> await_suspend(std::coroutine_handle<> parent) noexcept {
-    h.promise().set_continuation(parent);
+  bool await_suspend(std::coroutine_handle<> parent) noexcept {
     h.promise().set_stop_token(std::move(st));
-    return h;  // symmetric transfer into the child
+    return h.promise().start(h, parent);  // see promise_base::start
   }
   T await_resume() { return h.promise().take(); }
 };
