@@ -1,17 +1,24 @@
-// Bootstrap across two network namespaces joined by a veth pair: ranks 0 and
-// 1 live in one ("host A", 10.77.0.1), ranks 2 and 3 in the other ("host B",
-// 10.77.0.2). Needs root; skips with the reason otherwise. Runs outside
+// Bootstrap and mesh across two network namespaces joined by a veth pair:
+// ranks 0 and 1 live in one ("host A", 10.77.0.1), ranks 2 and 3 in the other
+// ("host B", 10.77.0.2). Needs root; skips with the reason otherwise. Runs outside
 // Bazel's sandbox (tags = ["no-sandbox"]): creating namespaces needs a
 // writable /var/run/netns.
 #include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include <gdr/bootstrap/mesh.hpp>
 #include <gdr/bootstrap/tcp_rendezvous.hpp>
+#include <gdr/coro/sync_wait.hpp>
 
+#include "tests/bootstrap/exchange.hpp"
 #include "tests/bootstrap/multiprocess.hpp"
 #include "tests/bootstrap/netns.hpp"
 #include "tests/support/skip.hpp"
@@ -61,6 +68,42 @@ TEST_CASE("ranks in two network namespaces find each other through the rendezvou
     }
     rv.barrier();
     return gdr_test::rank_ok;
+  });
+  CHECK(codes == std::vector<int>(world, gdr_test::rank_ok));
+}
+
+TEST_CASE("a mesh spans two network namespaces and every pair exchanges checksummed messages") {
+  std::string why;
+  auto net = gdr_test::netns_pair::create(why);
+  if (!net) GDR_SKIP(why);
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(world), 120s, [&](int rank) {
+    if (!gdr_test::netns_pair::enter(on_host_a(rank) ? net->name_a() : net->name_b())) return gdr_test::rank_failed;
+    bs::tcp_rendezvous rv = join(rank);
+    gdr::scheduler sched;
+    int bad = gdr::sync_wait(sched, [&]() -> gdr::task<int> {
+      bs::mesh m = co_await bs::connect_mesh(sched, rv);
+      // Ranks on the other host are reached through the veth pair.
+      int wrong = 0;
+      for (int p = 0; p < world; ++p) {
+        if (p == rank) continue;
+        int fd = m.peer(p).native_handle();
+        sockaddr_storage ss{};
+        socklen_t len = sizeof ss;
+        ::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+        char host[64] = {};
+        ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, host, sizeof host);
+        if (std::string(host) != (on_host_a(p) ? gdr_test::netns_pair::addr_a : gdr_test::netns_pair::addr_b)) {
+          std::fprintf(stderr, "rank %d: peer %d is at %s\n", rank, p, host);
+          ++wrong;
+        }
+      }
+      wrong += co_await gdr_test::exchange_with_all(m);
+      rv.barrier();
+      co_await m.close();
+      co_return wrong;
+    }());
+    sched.drain();
+    return bad == 0 ? gdr_test::rank_ok : gdr_test::rank_failed;
   });
   CHECK(codes == std::vector<int>(world, gdr_test::rank_ok));
 }

@@ -1,0 +1,123 @@
+// gdr/bootstrap/mesh.hpp: four ranks in forked processes on 127.0.0.1 build
+// a TCP mesh through the TCP rendezvous and exchange checksummed messages.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <gdr/bootstrap/mesh.hpp>
+#include <gdr/bootstrap/tcp_rendezvous.hpp>
+#include <gdr/coro/sync_wait.hpp>
+
+#include "tests/bootstrap/exchange.hpp"
+#include "tests/bootstrap/multiprocess.hpp"
+
+using namespace std::chrono_literals;
+namespace bs = gdr::bootstrap;
+
+namespace {
+
+bs::tcp_rendezvous join(int rank, int world, std::uint16_t port, int listen_fd, std::chrono::milliseconds timeout = 20s) {
+  bs::tcp_rendezvous_config c;
+  c.root_port = port;
+  c.rank = rank;
+  c.world_size = world;
+  c.timeout = timeout;
+  c.listen_fd = rank == 0 ? listen_fd : -1;
+  if (rank != 0) ::close(listen_fd);
+  return bs::tcp_rendezvous(c);
+}
+
+bs::mesh_options short_timeouts(std::chrono::milliseconds t) {
+  bs::mesh_options o;
+  o.timeout = t;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("four ranks build a mesh and every pair exchanges checksummed messages both ways") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  constexpr int world = 4;
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(world), 120s, [&](int rank) {
+    bs::tcp_rendezvous rv = join(rank, world, port, lfd);
+    gdr::scheduler sched;
+    int bad = gdr::sync_wait(sched, [&]() -> gdr::task<int> {
+      bs::mesh m = co_await bs::connect_mesh(sched, rv);
+      if (m.rank() != rank || m.size() != world) co_return 1000;
+      int wrong = 0;
+      for (int p = 0; p < world; ++p)
+        if ((p == rank) == m.peer(p).is_open()) ++wrong;  // open to every peer, not to itself
+      wrong += co_await gdr_test::exchange_with_all(m);
+      rv.barrier();  // nobody closes while a peer still receives
+      co_await m.close();
+      co_return wrong;
+    }());
+    sched.drain();
+    return bad == 0 ? gdr_test::rank_ok : gdr_test::rank_failed;
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>(world, gdr_test::rank_ok));
+}
+
+TEST_CASE("a mesh of one rank has no peers") {
+  bs::tcp_rendezvous_config c;
+  c.rank = 0;
+  c.world_size = 1;
+  bs::tcp_rendezvous rv(c);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    bs::mesh m = co_await bs::connect_mesh(sched, rv);
+    CHECK(m.size() == 1);
+    CHECK(!m.peer(0).is_open());
+    co_await m.close();
+  }());
+}
+
+TEST_CASE("a rank that leaves before the mesh makes every other rank fail within the timeout") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(3), 60s, [&](int rank) {
+    bs::tcp_rendezvous rv = join(rank, 3, port, lfd, 3s);
+    if (rank == 2) return gdr_test::rank_ok;  // joins the rendezvous, never the mesh
+    gdr::scheduler sched;
+    gdr::sync_wait(sched, bs::connect_mesh(sched, rv, short_timeouts(3s)));
+    return gdr_test::rank_failed;  // must not get here
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>{gdr_test::rank_bootstrap_failed, gdr_test::rank_bootstrap_failed, gdr_test::rank_ok});
+  CHECK(std::chrono::steady_clock::now() - t0 < 30s);
+}
+
+TEST_CASE("a rank that cannot listen makes every rank fail with its reason") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(3), 60s, [&](int rank) {
+    bs::tcp_rendezvous rv = join(rank, 3, port, lfd, 5s);
+    gdr::scheduler sched;
+    bs::mesh_options o = short_timeouts(5s);
+    if (rank == 1) o.listen_host = "not-an-address";
+    try {
+      gdr::sync_wait(sched, bs::connect_mesh(sched, rv, o));
+    } catch (const gdr::error& e) {
+      // Every rank names rank 1 (rank 1 names its address).
+      const bool names_it = std::strstr(e.what(), rank == 1 ? "not-an-address" : "rank 1") != nullptr;
+      if (e.code() == gdr::errc::bootstrap_failed && names_it) return gdr_test::rank_bootstrap_failed;
+      std::fprintf(stderr, "rank %d: unexpected: %s\n", rank, e.what());
+      return gdr_test::rank_failed;
+    }
+    return gdr_test::rank_failed;
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>(3, gdr_test::rank_bootstrap_failed));
+}
