@@ -1,11 +1,17 @@
 // One rank of tests/bootstrap:mpi_test, started by mpirun: the MPI bootstrap
-// (rank, size, allgather of contributions of different sizes, barrier).
-// Prints "mpi rank R of N: ok" and exits 0, or says what failed and exits 1.
+// (rank, size, allgather of contributions of different sizes, barrier), then
+// a TCP mesh built through it, over which every pair exchanges checksummed
+// messages. Prints "mpi rank R of N: ok" and exits 0, or says what failed
+// and exits 1.
 #include <cstdio>
 #include <exception>
 #include <vector>
 
+#include <gdr/bootstrap/mesh.hpp>
 #include <gdr/bootstrap/mpi.hpp>
+#include <gdr/coro/sync_wait.hpp>
+
+#include "tests/bootstrap/exchange.hpp"
 
 namespace {
 
@@ -28,6 +34,16 @@ int run() {
       }
     rv.barrier();
   }
+  gdr::scheduler sched;
+  int bad = gdr::sync_wait(sched, [&]() -> gdr::task<int> {
+    gdr::bootstrap::mesh m = co_await gdr::bootstrap::connect_mesh(sched, rv);
+    int wrong = co_await gdr_test::exchange_with_all(m);
+    rv.barrier();  // nobody closes while a peer still receives
+    co_await m.close();
+    co_return wrong;
+  }());
+  sched.drain();
+  if (bad != 0) return 1;
   std::printf("mpi rank %d of %d: ok\n", rank, size);
   return 0;
 }

@@ -83,7 +83,7 @@ std::size_t count(const std::string& s, const std::string& what) {
 
 }  // namespace
 
-TEST_CASE("MPI ranks started by mpirun allgather and pass barriers through the MPI bootstrap") {
+TEST_CASE("MPI ranks started by mpirun allgather through the MPI bootstrap and exchange messages over a TCP mesh") {
   auto version = gdr_test::run_command({"mpirun", "--version"}, 30s);
   if (version.exit_code != 0) GDR_SKIP("mpirun cannot run here: " + version.output);
   const std::string program = rank_binary("mpi_rank");
