@@ -1,6 +1,7 @@
 // The MPI bootstrap under a real launcher: runs `mpirun -np 4` on the rank
-// program tests/bootstrap/mpi_rank.cpp (a data dependency) and checks that
-// every rank reports success. Skips, saying why, when mpirun cannot run here.
+// program tests/bootstrap/mpi_rank.cpp and on examples/mpi_ring.cpp (data
+// dependencies) and checks that every rank reports success. Skips, saying
+// why, when mpirun cannot run here.
 //
 // As root, Open MPI refuses to start without --allow-run-as-root; ranks are
 // oversubscribed (4 ranks on a 2-core machine). Open MPI 4.1 from Debian needs
@@ -59,13 +60,13 @@ std::vector<std::string> sanitizer_env() {
   return env;
 }
 
-// The rank program: GDR_MPI_RANK_BINARY, else Bazel's runfiles.
-std::string rank_binary(const char* name) {
-  if (const char* p = std::getenv("GDR_MPI_RANK_BINARY")) return p;
+// A program to launch: `override` from the environment, else Bazel's runfiles.
+std::string program_path(const char* override, const char* path) {
+  if (const char* p = std::getenv(override)) return p;
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const char* ws = std::getenv("TEST_WORKSPACE");
   if (srcdir == nullptr || ws == nullptr) return {};
-  return std::string(srcdir) + "/" + ws + "/tests/bootstrap/" + name;
+  return std::string(srcdir) + "/" + ws + "/" + path;
 }
 
 std::vector<std::string> mpirun(int np, const std::string& program) {
@@ -86,7 +87,7 @@ std::size_t count(const std::string& s, const std::string& what) {
 TEST_CASE("MPI ranks started by mpirun allgather through the MPI bootstrap and exchange messages over a TCP mesh") {
   auto version = gdr_test::run_command({"mpirun", "--version"}, 30s);
   if (version.exit_code != 0) GDR_SKIP("mpirun cannot run here: " + version.output);
-  const std::string program = rank_binary("mpi_rank");
+  const std::string program = program_path("GDR_MPI_RANK_BINARY", "tests/bootstrap/mpi_rank");
   REQUIRE_MESSAGE(!program.empty(), "set GDR_MPI_RANK_BINARY or run under bazel test");
   REQUIRE(::access(program.c_str(), X_OK) == 0);
   auto r = gdr_test::run_command(mpirun(ranks, program), 120s, sanitizer_env());
@@ -96,4 +97,17 @@ TEST_CASE("MPI ranks started by mpirun allgather through the MPI bootstrap and e
   for (int rank = 0; rank < ranks; ++rank)
     CHECK(r.output.find("mpi rank " + std::to_string(rank) + " of " + std::to_string(ranks) + ": ok") !=
           std::string::npos);
+}
+
+TEST_CASE("the mpi_ring example runs to the end under mpirun") {
+  auto version = gdr_test::run_command({"mpirun", "--version"}, 30s);
+  if (version.exit_code != 0) GDR_SKIP("mpirun cannot run here: " + version.output);
+  const std::string program = program_path("GDR_MPI_RING_BINARY", "examples/mpi_ring");
+  REQUIRE_MESSAGE(!program.empty(), "set GDR_MPI_RING_BINARY or run under bazel test");
+  REQUIRE(::access(program.c_str(), X_OK) == 0);
+  auto r = gdr_test::run_command(mpirun(ranks, program), 120s, sanitizer_env());
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find("mpi_ring: " + std::to_string(ranks) + " ranks") != std::string::npos);
+  CHECK(r.output.find(": ok") != std::string::npos);
 }
