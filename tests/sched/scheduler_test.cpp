@@ -1,139 +1,304 @@
+// gdr/sched/scheduler.hpp: modes, run_once, drain, inflight accounting,
+// pollers, and the cross-thread entry points (post, schedule, wake through the
+// eventfd and through IORING_OP_MSG_RING).
 #include <doctest/doctest.h>
-
-#include <gdr/coro/sync_wait.hpp>
-#include <gdr/sched/scheduler.hpp>
-#include <gdr/sched/timer.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <vector>
+
+#include <gdr/coro/sync_wait.hpp>
+#include <gdr/sched/poller.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/sched/timer.hpp>
+
+#include "tests/sched/sched_test_support.hpp"
 
 using namespace std::chrono_literals;
 
+namespace {
+
+gdr::task<void> nops(int n) {
+  for (int i = 0; i < n; ++i) co_await gdr::nop();
+}
+gdr::task<void> sleep(std::chrono::milliseconds d) { co_await gdr::sleep_for(d); }
+
+// A completion source that can only be polled: it completes one waiting
+// coroutine once its deadline has passed, and asks the loop to come back
+// within `bound` while it waits (as a CUDA event poller does).
+class deadline_poller final : public gdr::poller {
+ public:
+  explicit deadline_poller(std::chrono::nanoseconds bound) : bound_(bound) {}
+  gdr::poll_status poll() noexcept override {
+    ++polls;
+    if (!waiter_) return {};
+    if (std::chrono::steady_clock::now() < deadline_) return {false, bound_};
+    std::exchange(waiter_, {}).resume();
+    return {true, std::chrono::nanoseconds::max()};
+  }
+  const char* name() const noexcept override { return "deadline"; }
+  auto wait_until(std::chrono::steady_clock::time_point t) noexcept {
+    struct awaiter {
+      deadline_poller* p;
+      std::chrono::steady_clock::time_point t;
+      bool await_ready() const noexcept { return false; }
+      void await_suspend(std::coroutine_handle<> h) noexcept {
+        p->deadline_ = t;
+        p->waiter_ = h;
+      }
+      void await_resume() const noexcept {}
+    };
+    return awaiter{this, t};
+  }
+  int polls = 0;
+
+ private:
+  std::chrono::nanoseconds bound_;
+  std::chrono::steady_clock::time_point deadline_{};
+  std::coroutine_handle<> waiter_{};
+};
+
+}  // namespace
+
 TEST_CASE("a NOP round trip completes through the ring in both modes") {
   for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+    CAPTURE(static_cast<int>(mode));
     gdr::scheduler s({.mode = mode});
-    auto body = []() -> gdr::task<int> {
-      for (int i = 0; i < 1000; ++i) co_await gdr::nop();
-      co_return 1;
-    };
-    CHECK(gdr::sync_wait(s, body()) == 1);
-    CHECK(s.stats().completions >= 1000);
+    CHECK(s.mode() == mode);
+    gdr::sync_wait(s, nops(1000));
+    CHECK(s.stats().completions == 1000);
     CHECK(s.inflight() == 0);
   }
 }
 
 TEST_CASE("busy-poll mode never sleeps in the kernel") {
   gdr::scheduler s({.mode = gdr::run_mode::busy_poll});
-  gdr::sync_wait(s, []() -> gdr::task<> { co_await gdr::sleep_for(2ms); }());
+  gdr::sync_wait(s, sleep(2ms));
   CHECK(s.stats().sleeps == 0);
+  CHECK(s.stats().iterations > 10);  // it spun while the timer ran
 }
 
 TEST_CASE("sleep mode blocks in the kernel while a timer runs") {
   gdr::scheduler s({.mode = gdr::run_mode::sleep});
-  gdr::sync_wait(s, []() -> gdr::task<> { co_await gdr::sleep_for(5ms); }());
+  gdr::sync_wait(s, sleep(5ms));
   CHECK(s.stats().sleeps >= 1);
   CHECK(s.stats().iterations < 100);  // it did not spin
 }
 
-TEST_CASE("schedule() moves a coroutine from another thread onto the loop's thread") {
+TEST_CASE("the mode can change between runs") {
+  gdr::scheduler s({.mode = gdr::run_mode::sleep});
+  s.set_mode(gdr::run_mode::busy_poll);
+  gdr::sync_wait(s, sleep(1ms));
+  CHECK(s.stats().sleeps == 0);
+  s.set_mode(gdr::run_mode::sleep);
+  gdr::sync_wait(s, sleep(1ms));
+  CHECK(s.stats().sleeps >= 1);
+}
+
+TEST_CASE("run_once reports whether it did work and runs posted work in order") {
+  gdr::scheduler s({.mode = gdr::run_mode::busy_poll});
+  CHECK_FALSE(s.run_once());  // nothing to do: returns at once in busy-poll mode
+  std::vector<int> order;
+  struct node : gdr::remote_work {
+    std::vector<int>* order;
+    int id;
+  };
+  node nodes[3];
+  for (int i = 0; i < 3; ++i) {
+    nodes[i].order = &order;
+    nodes[i].id = i;
+    nodes[i].run = [](gdr::remote_work* w) noexcept {
+      auto* n = static_cast<node*>(w);
+      n->order->push_back(n->id);
+    };
+    s.post(&nodes[i]);
+  }
+  CHECK(s.run_once());
+  CHECK(order == std::vector<int>{0, 1, 2});
+  CHECK(s.stats().remote == 3);
+}
+
+TEST_CASE("run_once without blocking returns even in sleep mode") {
+  gdr::scheduler s({.mode = gdr::run_mode::sleep});
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK_FALSE(s.run_once(false));
+  CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+  CHECK(s.stats().sleeps == 0);
+}
+
+TEST_CASE("scheduler::current is the running loop's scheduler, and null outside") {
+  gdr::scheduler s({.mode = gdr::run_mode::busy_poll});
+  CHECK(gdr::scheduler::current() == nullptr);
+  gdr::scheduler* seen = nullptr;
+  struct node : gdr::remote_work {
+    gdr::scheduler** seen;
+  } n;
+  n.seen = &seen;
+  n.run = [](gdr::remote_work* w) noexcept { *static_cast<node*>(w)->seen = gdr::scheduler::current(); };
+  s.post(&n);
+  s.run_once();
+  CHECK(seen == &s);
+  CHECK(gdr::scheduler::current() == nullptr);
+}
+
+TEST_CASE("inflight counts submitted operations until their completion arrives") {
+  gdr::scheduler s({.mode = gdr::run_mode::busy_poll});
+  int done = 0;
+  // Started from posted work, so that the sleeps are prepared inside the loop.
+  struct starter : gdr::remote_work {
+    int* done;
+  } st;
+  st.done = &done;
+  st.run = [](gdr::remote_work* w) noexcept {
+    auto* self = static_cast<starter*>(w);
+    for (int i = 0; i < 5; ++i) sched_test::run_detached(sleep(std::chrono::milliseconds(1 + i)), *self->done);
+  };
+  s.post(&st);
+  s.run_once(false);  // starts the five sleeps: prepared and submitted
+  CHECK(s.inflight() == 5);
+  CHECK(done == 0);
+  s.drain();  // runs until nothing is in flight
+  CHECK(s.inflight() == 0);
+  CHECK(done == 5);
+}
+
+TEST_CASE("a cancelled operation stays in flight until its CQE arrives") {
   gdr::scheduler s;
-  std::thread::id loop_thread;
-  std::atomic<bool> moved{false};
-  std::atomic<bool> stop{false};
-  std::thread other([&] {
-    // A coroutine started on a plain thread hops onto the scheduler: the
-    // wake-up goes through the eventfd (this thread has no scheduler).
-    auto hop = [&]() -> gdr::task<> {
-      co_await s.schedule();
-      loop_thread = std::this_thread::get_id();
-      moved = true;
-    }();
-    auto h = hop.handle();
-    h.resume();
-    while (!moved) std::this_thread::sleep_for(1ms);
-    (void)hop;
+  std::size_t during = 0, after_cancel = 0;
+  std::stop_source src;
+  auto body = [&]() -> gdr::task<void> {
+    auto sleeper = [&]() -> gdr::task<void> { (void)co_await gdr::sleep_for(10s).as_result(); };
+    auto canceller = [&]() -> gdr::task<void> {
+      co_await gdr::nop();
+      during = gdr::this_scheduler().inflight();  // the sleep (this NOP's CQE was reaped)
+      src.request_stop();                         // queues an async cancel, nothing completes yet
+      after_cancel = gdr::this_scheduler().inflight();
+    };
+    int n = 0;
+    sched_test::run_detached(gdr::with_stop_token(src.get_token(), sleeper()), n);
+    co_await canceller();
+    while (n == 0) co_await gdr::nop();
+  };
+  gdr::sync_wait(s, body());
+  CHECK(during == 1);
+  CHECK(after_cancel == 1);  // the cancel request is not an operation of its own
+  CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("drain returns at once when nothing is pending") {
+  gdr::scheduler s;
+  auto t0 = std::chrono::steady_clock::now();
+  s.drain();
+  CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+}
+
+TEST_CASE("a poller's sleep bound wakes a sleeping loop to poll again") {
+  gdr::scheduler s({.mode = gdr::run_mode::sleep});
+  deadline_poller p(1ms);
+  s.add_poller(p);
+  auto t0 = std::chrono::steady_clock::now();
+  gdr::sync_wait(s, [&]() -> gdr::task<> { co_await p.wait_until(std::chrono::steady_clock::now() + 10ms); }());
+  auto took = std::chrono::steady_clock::now() - t0;
+  s.remove_poller(p);
+  CHECK(took >= 10ms);
+  CHECK(took < 1s);
+  CHECK(s.stats().sleeps >= 2);  // it slept between polls, bounded each time
+  CHECK(p.polls >= 3);
+  CHECK(p.polls < 5000);  // bounded sleeps, not a spin
+  int before = p.polls;
+  gdr::sync_wait(s, nops(1));
+  CHECK(p.polls == before);  // removed: no longer polled
+}
+
+TEST_CASE("post from a plain thread wakes a sleeping loop through the eventfd") {
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.mode = gdr::run_mode::sleep});
+  sched_test::counter_node n;
+  std::thread poster([&] {
+    std::this_thread::sleep_for(20ms);  // let the loop fall asleep
+    s.post(&n);                         // no scheduler on this thread: eventfd
   });
-  std::thread::id main_id = std::this_thread::get_id();
+  auto t0 = std::chrono::steady_clock::now();
+  s.run_until([&] { return n.runs.load() == 1; });
+  poster.join();
+  CHECK(n.where.load() == std::this_thread::get_id());
+  CHECK(s.stats().sleeps >= 1);
+  CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+}
+
+TEST_CASE("schedule() hands a coroutine from another thread to the loop's thread") {
+  sched_test::watchdog wd(30);
+  gdr::scheduler s;
+  std::thread::id resumed_on;
+  std::atomic<bool> moved{false};
+  auto hop = [&]() -> gdr::task<> {
+    co_await s.schedule();
+    resumed_on = std::this_thread::get_id();
+    moved = true;
+  };
+  auto t = hop();
+  std::thread other([&] {
+    std::this_thread::sleep_for(10ms);
+    t.handle().resume();  // runs on this plain thread until schedule() posts it
+  });
   s.run_until([&] { return moved.load(); });
   other.join();
-  CHECK(loop_thread == main_id);
-  (void)stop;
+  CHECK(resumed_on == std::this_thread::get_id());
+}
+
+TEST_CASE("schedule() on the loop's own thread completes inline") {
+  gdr::scheduler s;
+  auto before = s.stats().remote;
+  gdr::sync_wait(s, [&]() -> gdr::task<> { co_await s.schedule(); }());
+  CHECK(s.stats().remote == before + 1);  // only sync_wait's own start node
 }
 
 TEST_CASE("posting from a thread with its own scheduler wakes a sleeping loop through MSG_RING") {
-  gdr::scheduler target;
-  std::atomic<int> ran{0};
-  struct work : gdr::remote_work {
-    std::atomic<int>* ran;
-  } w;
-  w.ran = &ran;
-  w.run = [](gdr::remote_work* self) noexcept { static_cast<work*>(self)->ran->fetch_add(1); };
+  sched_test::watchdog wd(30);
+  gdr::scheduler target({.mode = gdr::run_mode::sleep});
+  constexpr int rounds = 20;
+  sched_test::counter_node nodes[rounds];
+  std::atomic<int> through_ring{0};
   std::thread poster([&] {
     gdr::scheduler mine;
     gdr::sync_wait(mine, [&]() -> gdr::task<> {
-      co_await gdr::sleep_for(20ms);  // let the target fall asleep first
-      target.post(&w);                // current() is `mine`: MSG_RING to target
+      for (auto& n : nodes) {
+        co_await gdr::sleep_for(5ms);  // let the target fall asleep
+        // When the target sleeps, post() wakes it with an IORING_OP_MSG_RING
+        // submitted on *this* thread's ring: its submit count moves.
+        auto before = mine.stats().submits;
+        target.post(&n);
+        if (mine.stats().submits > before) through_ring.fetch_add(1);
+      }
     }());
   });
-  auto t0 = std::chrono::steady_clock::now();
-  target.run_until([&] { return ran.load() == 1; });
+  target.run_until([&] { return nodes[rounds - 1].runs.load() == 1; });
   poster.join();
-  CHECK(ran == 1);
+  for (auto& n : nodes) CHECK(n.runs.load() == 1);
+  CHECK(through_ring.load() >= 1);  // the target was asleep at least once
   CHECK(target.stats().sleeps >= 1);
-  CHECK(std::chrono::steady_clock::now() - t0 < 2s);
 }
 
-TEST_CASE("a stop requested before the await completes the operation with cancelled, without submitting") {
+TEST_CASE("many threads posting at once lose nothing") {
+  sched_test::watchdog wd(60);
   gdr::scheduler s;
-  std::stop_source src;
-  src.request_stop();
-  auto r = gdr::sync_wait(s, []() -> gdr::task<gdr::result<void>> { co_return co_await gdr::sleep_for(10s).as_result(); }(),
-                          src.get_token());
-  CHECK(r.error() == gdr::errc::cancelled);
-  CHECK(s.inflight() == 0);
-}
-
-TEST_CASE("a stop from another thread cancels an in-flight timer and the loop keeps serving") {
-  gdr::scheduler s;
-  std::stop_source src;
-  std::thread stopper([&] {
-    std::this_thread::sleep_for(10ms);
-    src.request_stop();
-  });
-  auto t0 = std::chrono::steady_clock::now();
-  auto r = gdr::sync_wait(s, []() -> gdr::task<gdr::result<void>> { co_return co_await gdr::sleep_for(10s).as_result(); }(),
-                          src.get_token());
-  stopper.join();
-  CHECK(r.error() == gdr::errc::cancelled);
-  CHECK(std::chrono::steady_clock::now() - t0 < 2s);
-  CHECK(s.inflight() == 0);
-  CHECK(gdr::sync_wait(s, []() -> gdr::task<int> { co_await gdr::nop(); co_return 5; }()) == 5);
-}
-
-TEST_CASE("the throwing form of a cancelled operation throws gdr::error with cancelled") {
-  gdr::scheduler s;
-  std::stop_source src;
-  src.request_stop();
-  try {
-    gdr::sync_wait(s, []() -> gdr::task<> { co_await gdr::sleep_for(1s); }(), src.get_token());
-    FAIL("no exception");
-  } catch (const gdr::error& e) {
-    CHECK(e.code() == gdr::errc::cancelled);
+  constexpr int threads = 4, per = 2000;
+  std::vector<sched_test::counter_node> nodes(threads * per);
+  std::vector<std::thread> posters;
+  for (int t = 0; t < threads; ++t) {
+    posters.emplace_back([&, t] {
+      for (int i = 0; i < per; ++i) s.post(&nodes[static_cast<std::size_t>(t * per + i)]);
+    });
   }
-}
-
-TEST_CASE("sleep_until an absolute time wakes after it") {
-  gdr::scheduler s;
-  auto deadline = std::chrono::steady_clock::now() + 5ms;
-  gdr::sync_wait(s, [&]() -> gdr::task<> { co_await gdr::sleep_until(deadline); }());
-  CHECK(std::chrono::steady_clock::now() >= deadline);
-}
-
-TEST_CASE("hot operation states stay small") {
-  // The awaitables live in coroutine frames; their size is what every pending
-  // operation costs. A change that grows them should be deliberate.
-  CHECK(sizeof(gdr::operation) == 8);
-  CHECK(sizeof(gdr::nop_awaitable) <= 128);
-  CHECK(sizeof(gdr::timer_awaitable) <= 160);
+  s.run_until([&] {
+    for (auto& n : nodes)
+      if (n.runs.load() == 0) return false;
+    return true;
+  });
+  for (auto& p : posters) p.join();
+  s.run_once(false);
+  int total = 0;
+  for (auto& n : nodes) total += n.runs.load();
+  CHECK(total == threads * per);
 }

@@ -1,0 +1,193 @@
+// gdr/coro/scope.hpp: eager spawn, join, nested spawns, exceptions kept for
+// join, request_stop (also from another thread), reuse.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <stop_token>
+#include <thread>
+
+#include <gdr/coro/scope.hpp>
+#include <gdr/coro/sync_wait.hpp>
+#include <gdr/sched/timer.hpp>
+
+#include "tests/coro/coro_test_support.hpp"
+
+using namespace std::chrono_literals;
+using coro_test::ms_since;
+
+namespace {
+
+gdr::task<void> sleep_then_count(std::chrono::milliseconds d, int& n) {
+  co_await gdr::sleep_for(d);
+  ++n;
+}
+gdr::task<void> fail_after(std::chrono::milliseconds d, const char* what) {
+  co_await gdr::sleep_for(d);
+  throw std::runtime_error(what);
+}
+gdr::task<void> steps(int& before, int& after) {
+  ++before;
+  co_await gdr::nop();
+  ++after;
+}
+gdr::task<void> count_cancelled(int& cancelled) {
+  auto r = co_await gdr::sleep_for(10s).as_result();
+  if (r.error() == gdr::errc::cancelled) ++cancelled;
+}
+gdr::task<void> grab_token(std::stop_token& seen) {
+  seen = co_await gdr::this_stop_token;
+}
+gdr::task<void> spawner(gdr::task_scope& scope, int depth, int& n) {
+  ++n;
+  if (depth > 0) {
+    scope.spawn(spawner(scope, depth - 1, n));
+    scope.spawn(spawner(scope, depth - 1, n));
+  }
+  co_await gdr::nop();
+}
+
+}  // namespace
+
+TEST_CASE("spawn starts a task at once and returns at its first suspension") {
+  gdr::scheduler s;
+  int before = 0, after = 0;
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::task_scope scope;
+    scope.spawn(steps(before, after));
+    CHECK(before == 1);  // ran eagerly up to the NOP
+    CHECK(after == 0);
+    CHECK(scope.active() == 1);
+    co_await scope.join();
+    CHECK(after == 1);
+  }());
+}
+
+TEST_CASE("a scope joins every task it spawned") {
+  gdr::scheduler s;
+  int n = 0;
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::task_scope scope;
+    for (int i = 0; i < 200; ++i) scope.spawn(sleep_then_count(std::chrono::milliseconds(i % 7), n));
+    CHECK(scope.active() == 200);
+    co_await scope.join();
+    CHECK(scope.active() == 0);
+  }());
+  CHECK(n == 200);
+  CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("joining an empty scope completes at once") {
+  gdr::scheduler s;
+  gdr::sync_wait(s, []() -> gdr::task<> {
+    gdr::task_scope scope;
+    co_await scope.join();
+    co_await scope.join();
+  }());
+}
+
+TEST_CASE("tasks that finish inside spawn are counted out at once") {
+  gdr::scheduler s;
+  gdr::sync_wait(s, []() -> gdr::task<> {
+    gdr::task_scope scope;
+    for (int i = 0; i < 1000; ++i) scope.spawn([]() -> gdr::task<> { co_return; }());
+    CHECK(scope.active() == 0);
+    co_await scope.join();
+  }());
+}
+
+TEST_CASE("tasks spawned by spawned tasks are joined too") {
+  gdr::scheduler s;
+  int n = 0;
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::task_scope scope;
+    scope.spawn(spawner(scope, 6, n));
+    co_await scope.join();
+  }());
+  CHECK(n == 127);  // a full binary tree of depth 6
+  CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("join rethrows the first failure after every task finished") {
+  gdr::scheduler s;
+  int n = 0;
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::task_scope scope;
+    scope.spawn(fail_after(5ms, "second"));
+    scope.spawn(fail_after(1ms, "first"));
+    scope.spawn(sleep_then_count(20ms, n));
+    CHECK_THROWS_WITH(co_await scope.join(), "first");
+    CHECK(n == 1);  // the failures did not cancel the sibling
+    // The error was consumed: the scope is clean and usable again.
+    scope.spawn(sleep_then_count(1ms, n));
+    co_await scope.join();
+    CHECK(n == 2);
+  }());
+}
+
+TEST_CASE("request_stop cancels every task of the scope") {
+  gdr::scheduler s;
+  int n = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::task_scope scope;
+    for (int i = 0; i < 10; ++i) scope.spawn(sleep_then_count(10s, n));
+    co_await gdr::sleep_for(1ms);
+    scope.request_stop();
+    try {
+      co_await scope.join();
+      FAIL("no cancellation reported");
+    } catch (const gdr::error& e) {
+      CHECK(e.code() == gdr::errc::cancelled);
+    }
+  }());
+  CHECK(n == 0);
+  CHECK(ms_since(t0) < 1000.0);
+  CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("request_stop from another thread cancels the scope's tasks") {
+  coro_test::watchdog wd(30);
+  gdr::scheduler s;
+  int cancelled = 0;
+  gdr::task_scope* scope_ptr = nullptr;
+  std::atomic<bool> ready{false};
+  std::thread stopper([&] {
+    while (!ready) std::this_thread::yield();
+    std::this_thread::sleep_for(5ms);
+    scope_ptr->request_stop();
+  });
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::task_scope scope;
+    scope_ptr = &scope;
+    for (int i = 0; i < 50; ++i) {
+      // A named coroutine, not a lambda: a temporary lambda's captures die
+      // with the closure at the end of this statement.
+      scope.spawn(count_cancelled(cancelled));
+    }
+    ready = true;
+    co_await scope.join();
+  }());
+  stopper.join();
+  CHECK(cancelled == 50);
+  CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("spawned tasks observe the scope's token, not the spawner's") {
+  gdr::scheduler s;
+  std::stop_source spawners;
+  gdr::sync_wait(
+      s,
+      [&]() -> gdr::task<> {
+        gdr::task_scope scope;
+        std::stop_token seen;
+        scope.spawn(grab_token(seen));
+        spawners.request_stop();
+        CHECK_FALSE(seen.stop_requested());
+        scope.request_stop();
+        CHECK(seen.stop_requested());
+        CHECK(scope.stop_token().stop_requested());
+        co_await scope.join();
+      }(),
+      spawners.get_token());
+}

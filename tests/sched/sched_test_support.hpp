@@ -1,0 +1,67 @@
+// Helpers for the scheduler tests: a watchdog, a fire-and-forget coroutine
+// started by hand, and a remote_work node that counts its runs.
+#pragma once
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <coroutine>
+#include <exception>
+#include <thread>
+
+#include <gdr/coro/task.hpp>
+#include <gdr/sched/operation.hpp>
+
+namespace sched_test {
+
+// Kills the process with a message if a test case runs longer than `seconds`.
+class watchdog {
+ public:
+  explicit watchdog(unsigned seconds) noexcept {
+    struct sigaction sa {};
+    sa.sa_handler = [](int) {
+      static const char msg[] = "watchdog: test case took too long, aborting\n";
+      [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
+      ::_exit(124);
+    };
+    ::sigaction(SIGALRM, &sa, nullptr);
+    ::alarm(seconds);
+  }
+  ~watchdog() { ::alarm(0); }
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+};
+
+// A coroutine that starts at once and frees itself at the end: for starting
+// operations from inside a loop without any gdr/coro combinator.
+struct detached {
+  struct promise_type {
+    detached get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+// Runs `t` to completion, then counts it in `done`.
+inline detached run_detached(gdr::task<void> t, int& done) {
+  co_await std::move(t);
+  ++done;
+}
+
+// A remote_work node that counts its runs and remembers the thread.
+struct counter_node : gdr::remote_work {
+  std::atomic<int> runs{0};
+  std::atomic<std::thread::id> where{};
+  counter_node() noexcept {
+    run = [](gdr::remote_work* w) noexcept {
+      auto* self = static_cast<counter_node*>(w);
+      self->where = std::this_thread::get_id();
+      self->runs.fetch_add(1);
+    };
+  }
+};
+
+}  // namespace sched_test
