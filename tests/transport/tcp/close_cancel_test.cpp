@@ -55,7 +55,9 @@ TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it 
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::array<int, 4> in{}, out{1, 2, 3, 4};
     // Through op_options::stop.
     std::stop_source src;
@@ -101,7 +103,9 @@ TEST_CASE("a recv with a timeout completes with timed_out and the endpoint stays
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::array<int, 2> in{}, out{8, 9};
     auto t0 = std::chrono::steady_clock::now();
     auto r = co_await b.recv(gdr::host_view(in), {.timeout = 30ms}).as_result();
@@ -162,7 +166,9 @@ TEST_CASE("a send waiting behind a large one is withdrawn by its timeout and nev
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::byte> big(32 << 20, std::byte{3});  // more than the socket buffers hold
     int done = 0;
     gdr::result<std::size_t> big_r = gdr::errc::busy;
@@ -199,7 +205,9 @@ TEST_CASE("a stop requested from another thread cancels a pending recv") {
     src.request_stop();
   });
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::array<int, 1> in{};
     auto op = b.recv(gdr::host_view(in), {.stop = src.get_token()});
     waiting.store(true);
@@ -217,7 +225,9 @@ TEST_CASE("close flushes pending sends, then fails pending operations with close
   std::vector<int> mem(4);
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::byte> big(8 << 20, std::byte{1});
     int done = 0;
     gdr::result<std::size_t> sent = gdr::errc::busy, a_recv = gdr::errc::busy;
@@ -255,7 +265,9 @@ TEST_CASE("close with a timeout aborts when the peer does not read") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::byte> big(64 << 20, std::byte{1});
     int done = 0;
     gdr::result<std::size_t> sent = gdr::errc::busy;
@@ -276,7 +288,9 @@ TEST_CASE("destroying an endpoint with operations pending fails them with closed
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     int done = 0;
     std::array<int, 1> in{};
     gdr::result<std::size_t> r = gdr::errc::busy;
@@ -351,7 +365,9 @@ TEST_CASE("both ends closing at once both succeed") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::byte> big(4 << 20, std::byte{1});
     int done = 0;
     gdr::result<std::size_t> ca = gdr::errc::busy, cb = gdr::errc::busy, sent = gdr::errc::busy;

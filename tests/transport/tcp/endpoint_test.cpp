@@ -40,7 +40,9 @@ TEST_CASE("a small message goes from one endpoint to the other over loopback") {
   gdr::scheduler sched;
   std::array<int, 4> out{1, 2, 3, 4}, in{};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     auto r = b.recv(gdr::host_view(in));
     std::size_t sent = co_await a.send(gdr::host_view(out));
     std::size_t got = co_await std::move(r);
@@ -63,7 +65,9 @@ TEST_CASE("a message sent before its receive is posted is kept and delivered") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<int> out(100);
     std::iota(out.begin(), out.end(), 7);
     co_await a.send(gdr::host_view(out));
@@ -89,7 +93,9 @@ TEST_CASE("message boundaries are kept, in order, whatever the sizes") {
   const std::vector<std::size_t> sizes = {0,     1,     7,     40,     1000,   16383,  16384, 16385,
                                           65535, 65536, 65537, 100000, 1 << 20, 3, (4 << 20) + 3, 2};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::vector<std::byte>> outs, ins;
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       outs.push_back(pattern(sizes[i], static_cast<unsigned>(i)));
@@ -126,7 +132,9 @@ TEST_CASE("a message larger than the receive view is truncated and the stream st
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     for (std::size_t size : {std::size_t{100}, std::size_t{200000}, std::size_t{3 << 20}}) {
       CAPTURE(size);
       auto out = pattern(size, 3);
@@ -164,7 +172,9 @@ TEST_CASE("many concurrent sends and receives on one endpoint are matched in ord
   gdr::scheduler sched;
   constexpr int n = 500;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::array<std::uint32_t, 4>> outs(n), ins(n);
     for (int i = 0; i < n; ++i) outs[i] = {static_cast<std::uint32_t>(i), 1, 2, static_cast<std::uint32_t>(i * i)};
     int done = 0;
@@ -197,7 +207,9 @@ TEST_CASE("both directions work at once, on many endpoints of one scheduler") {
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     std::vector<tcp::endpoint> left, right;
     for (int p = 0; p < pairs; ++p) {
-      auto [a, b] = co_await connected_pair(sched);
+      auto ab_pair = co_await connected_pair(sched);
+      auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+      auto& b = ab_pair.second;
       left.push_back(std::move(a));
       right.push_back(std::move(b));
     }
@@ -231,7 +243,9 @@ TEST_CASE("a large message with no receive posted stops the reader instead of bu
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     auto out = pattern(32 << 20, 9);  // more than the socket buffers hold
     int done = 0;
     tcp_test::spawn([&]() -> gdr::task<> { co_await a.send(gdr::host_view(out)); }, done);
@@ -252,7 +266,9 @@ TEST_CASE("the result form reports errors without throwing and the throwing form
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched);
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::array<int, 8> out{};
     std::array<int, 1> one{};
     auto r = b.recv(gdr::host_view(one));
@@ -333,7 +349,9 @@ TEST_CASE("no file descriptor is left open after endpoints close or are destroye
     gdr::scheduler sched;
     gdr::sync_wait(sched, [&]() -> gdr::task<> {
       for (int i = 0; i < 10; ++i) {
-        auto [a, b] = co_await connected_pair(sched);
+        auto ab_pair = co_await connected_pair(sched);
+        auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+        auto& b = ab_pair.second;
         std::array<int, 1> v{i};
         co_await a.send(gdr::host_view(v));
         co_await b.recv(gdr::host_view(v));

@@ -137,7 +137,9 @@ TEST_CASE("a peer killed mid-stream fails every pending operation with connectio
   int failures = 0;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     // A bystander pair on the same scheduler: it must keep working.
-    auto [x, y] = co_await tcp_test::connected_pair(sched);
+    auto xy_pair = co_await tcp_test::connected_pair(sched);
+    auto& x = xy_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& y = xy_pair.second;
     for (int t = 0; t < trials; ++t) {
       int pipe_w = -1;
       pid_t pid = fork_peer(pipe_w, [](tcp::endpoint& ep, gdr::memory_registry& reg) -> gdr::task<bool> {

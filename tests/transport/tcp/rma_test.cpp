@@ -25,7 +25,9 @@ TEST_CASE("put writes into the peer's registered memory and get reads it back") 
   std::vector<std::uint32_t> mem(64, 0);
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);  // b owns `mem` (one registry per process)
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;  // b owns `mem` (one registry per process)
     std::array<std::uint32_t, 8> src{};
     std::iota(src.begin(), src.end(), 100u);
     auto remote = r.describe().subview(10, 8);
@@ -54,7 +56,9 @@ TEST_CASE("large puts and gets go straight between the wire and the memory") {
   std::vector<std::byte> mem(8 << 20);
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::byte> src(6 << 20);
     for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>(i * 7 + 1);
     auto remote = r.describe().subview(1000, src.size());
@@ -83,7 +87,9 @@ TEST_CASE("every refused access fails with remote_access and touches nothing") {
   auto gone_remote = gone_reg.describe();
   gone_reg.revoke();
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::uint8_t> src(32, 0xAA), dst(32, 0x55);
     auto rw = rw_reg.describe();
     using rv = gdr::remote_view<std::uint8_t, gdr::Host>;
@@ -137,7 +143,9 @@ TEST_CASE("a refused put with a large payload is read and dropped and the stream
   std::vector<std::byte> mem(1 << 20);
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     std::vector<std::byte> src(3 << 20, std::byte{7});
     gdr::remote_view<std::byte, gdr::Host> bad(r.describe().address(), src.size(), r.key() + 1, 0);
     CHECK((co_await a.put(gdr::host_view(src), bad).as_result()).error() == gdr::errc::remote_access);
@@ -160,7 +168,9 @@ TEST_CASE("both sides can put and get concurrently, interleaved with messages") 
   auto reg_a = gdr::register_memory(reg, gdr::host_view(mem_a));
   auto reg_b = gdr::register_memory(reg, gdr::host_view(mem_b));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     int done = 0, bad = 0;
     std::vector<std::array<std::uint64_t, 16>> bufs(4 * n);
     for (int i = 0; i < n; ++i) {
@@ -215,7 +225,9 @@ TEST_CASE("a get queued behind a send the peer does not read yet is withdrawn at
   std::vector<std::byte> mem(4096, std::byte{9});
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     // More than the socket buffers hold, and no receive posted: the send
     // stays in flight, and the get request waits behind it.
     std::vector<std::byte> blocker(32 << 20, std::byte{1});
@@ -253,7 +265,9 @@ TEST_CASE("a get cancelled while waiting for its reply completes at once and its
   std::vector<std::byte> mem(4 << 20, std::byte{9});
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto [a, b] = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
     // Hold b's reader: a large message with no receive posted stops it, so
     // the get request behind it is sent but not served yet.
     std::vector<std::byte> blocker(256 << 10, std::byte{1});

@@ -14,10 +14,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <doctest/doctest.h>
 
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
@@ -29,10 +32,15 @@ namespace tcp_test {
 class watchdog {
  public:
   explicit watchdog(unsigned seconds) noexcept {
+    if (const doctest::ContextOptions* o = doctest::getContextOptions(); o && o->currentTest)
+      current_name() = o->currentTest->m_name;
     struct sigaction sa {};
     sa.sa_handler = [](int) {
-      static const char msg[] = "watchdog: test case took too long (hang), aborting\n";
+      static const char msg[] = "watchdog: test case took too long (hang), aborting: ";
       [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
+      const char* name = current_name();
+      n = ::write(2, name, std::strlen(name));
+      n = ::write(2, "\n", 1);
       ::_exit(124);
     };
     ::sigaction(SIGALRM, &sa, nullptr);
@@ -41,6 +49,12 @@ class watchdog {
   ~watchdog() { ::alarm(0); }
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
+
+ private:
+  static const char*& current_name() noexcept {
+    static const char* name = "?";
+    return name;
+  }
 };
 
 // A coroutine that starts at once and is never awaited.
