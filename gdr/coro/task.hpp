@@ -18,13 +18,13 @@
 /// \endcode
 #pragma once
 
-#include <atomic>
 #include <coroutine>
 #include <exception>
+#include <memory>
+#include <new>
 #include <stop_token>
 #include <type_traits>
 #include <utility>
-#include <variant>
 
 #include <gdr/config.hpp>
 
@@ -34,6 +34,17 @@ template <class T = void>
 class task;
 
 namespace detail {
+
+class promise_base;
+
+// The promise an awaiter on this thread is starting inline right now (see
+// promise_base::start), and whether it reached its final suspension before
+// start() regained control. Thread-locals, not promise members: once the
+// child's resume() returns, its frame may already be gone (it moved to another
+// thread, finished there and its parent destroyed it), so start() reads only
+// these. Constant-initialised: no TLS wrapper call on access.
+inline constinit thread_local promise_base* starting_inline = nullptr;
+inline constinit thread_local bool finished_inline = false;
 
 /// What every gdr promise offers its awaitables: the continuation to resume
 /// when it finishes, and the stop token that cancels what it waits on.
@@ -46,10 +57,13 @@ class promise_base {
     template <class P>
     std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) noexcept {
       promise_base& p = h.promise();
-      // If the awaiter is still inside `start` (the child ran to completion
-      // without suspending), return to it: it continues the parent without
-      // nesting. Otherwise the parent is suspended: transfer to it.
-      if (p.state_.exchange(done, std::memory_order_acq_rel) == running_inline) return std::noop_coroutine();
+      // Still inside the start() that resumed us, on this thread: tell it we
+      // are done and return to it; it continues the parent without nesting.
+      if (starting_inline == &p) {
+        finished_inline = true;
+        return std::noop_coroutine();
+      }
+      // Otherwise the parent is suspended: transfer to it.
       std::coroutine_handle<> next = p.continuation_;
       return next ? next : std::noop_coroutine();
     }
@@ -57,9 +71,24 @@ class promise_base {
   };
   final_awaiter final_suspend() noexcept { return {}; }
 
+  promise_base() noexcept = default;
+  promise_base(const promise_base&) = delete;  // stop_ may point into *this
+  promise_base& operator=(const promise_base&) = delete;
+
   /// The token every operation awaited by this coroutine observes.
-  const std::stop_token& stop_token() const noexcept { return stop_; }
-  void set_stop_token(std::stop_token st) noexcept { stop_ = std::move(st); }
+  const std::stop_token& stop_token() const noexcept { return *stop_; }
+  /// Gives this coroutine a token of its own (roots, combinators' children).
+  /// Before it starts only.
+  void set_stop_token(std::stop_token st) noexcept {
+    own_stop_ = std::move(st);
+    stop_ = &own_stop_;
+  }
+  /// Makes this coroutine observe `parent`'s token object itself, not a copy:
+  /// copying a live token costs two atomic reference-count updates per await.
+  /// `parent` must outlive this coroutine's run, as an awaiting parent's
+  /// promise does (it stays suspended until the child finishes). Before it
+  /// starts only.
+  void inherit_stop_token(const std::stop_token& parent) noexcept { stop_ = &parent; }
   /// Runs this coroutine (`self`) on behalf of `parent` until it first
   /// suspends or finishes. Returns true if the parent must suspend (the child
   /// will resume it), false if the child already finished (the parent goes on
@@ -67,31 +96,42 @@ class promise_base {
   ///
   /// Why not plain symmetric transfer (return the child's handle from
   /// await_suspend): gcc emits the tail call that keeps symmetric transfer
-  /// from growing the stack only at -O2 and above, so a long loop of
-  /// synchronously completing `co_await`s overflows the stack in -O0/-O1
-  /// builds (measured: 1e6 awaits crash at -O0 and -O1, pass at -O2; clang is
-  /// fine at -O0). Resuming the child here and handing the result back through
-  /// `state_` keeps the stack flat for synchronous completions; asynchronous
-  /// ones resume from the event loop, whose stack is shallow anyway. (This is
-  /// the scheme cppcoro used before symmetric transfer.)
+  /// from growing the stack only with -foptimize-sibling-calls (-O2) and never
+  /// under ASan or TSan, so a long loop of synchronously completing
+  /// `co_await`s overflows the stack there (measured: 1e6 awaits crash at -O0,
+  /// -O1, and -O2 with ASan or TSan; clang is fine). Resuming the child here
+  /// and learning through thread-locals whether it finished keeps the stack
+  /// flat for synchronous completions; asynchronous ones resume from the event
+  /// loop, whose stack is shallow anyway.
+  ///
+  /// Why thread-locals and not an atomic in the promise (cppcoro's scheme
+  /// before symmetric transfer): the atomic costs two locked instructions per
+  /// await, most of the price of a synchronous await (benchmarks/RESULTS.md,
+  /// (b)). The race the atomic settles, a child finishing on another thread
+  /// while start() is still returning, needs none: the other thread's
+  /// `starting_inline` is not this promise, so it resumes the parent itself,
+  /// and this thread then sees `finished_inline` false and suspends the
+  /// parent without touching either frame again.
   bool start(std::coroutine_handle<> self, std::coroutine_handle<> parent) noexcept {
     continuation_ = parent;
-    state_.store(running_inline, std::memory_order_relaxed);
+    promise_base* outer = starting_inline;
+    starting_inline = this;
     self.resume();
-    int expected = running_inline;
-    return state_.compare_exchange_strong(expected, parent_suspended, std::memory_order_acq_rel);
+    // From here on `this` may be gone: thread-locals and locals only.
+    bool done = finished_inline;
+    finished_inline = false;
+    starting_inline = outer;
+    return !done;
   }
 
  private:
-  static constexpr int running_inline = 0;   // the parent is still inside start()
-  static constexpr int parent_suspended = 1; // start() returned: the child resumes the parent
-  static constexpr int done = 2;             // the child reached its final suspend
   std::coroutine_handle<> continuation_{};
-  std::stop_token stop_{};
-  // Atomic: the child may finish on another thread (after moving to another
-  // scheduler) while start() is still returning.
-  std::atomic<int> state_{running_inline};
+  std::stop_token own_stop_{};
+  const std::stop_token* stop_ = &own_stop_;
 };
+
+/// An empty token with static storage, for parents that have none.
+inline const std::stop_token no_stop_token{};
 
 /// A promise type that can hand a stop token to the operations it awaits.
 template <class P>
@@ -109,25 +149,56 @@ std::stop_token stop_token_of(std::coroutine_handle<P> h) noexcept {
   }
 }
 
+/// The stop token object of the coroutine behind `h` (not a copy), or a
+/// static empty one. Valid while that coroutine is suspended in an await.
+template <class P>
+const std::stop_token& stop_token_ref(std::coroutine_handle<P> h) noexcept {
+  if constexpr (stoppable_promise<P>) {
+    return h.promise().stop_token();
+  } else {
+    return no_stop_token;
+  }
+}
+
 template <class T>
 class task_promise final : public promise_base {
  public:
+  task_promise() noexcept {}
+  ~task_promise() {
+    if (state_ == state::value) {
+      value_.~T();
+    } else if (state_ == state::error) {
+      error_.~exception_ptr();
+    }
+  }
+
   task<T> get_return_object() noexcept;
 
   template <class U>
     requires std::is_convertible_v<U&&, T>
   void return_value(U&& v) noexcept(std::is_nothrow_constructible_v<T, U&&>) {
-    result_.template emplace<1>(std::forward<U>(v));
+    ::new (static_cast<void*>(std::addressof(value_))) T(std::forward<U>(v));
+    state_ = state::value;
   }
-  void unhandled_exception() noexcept { result_.template emplace<2>(std::current_exception()); }
+  void unhandled_exception() noexcept {
+    ::new (static_cast<void*>(std::addressof(error_))) std::exception_ptr(std::current_exception());
+    state_ = state::error;
+  }
 
   T take() {
-    if (result_.index() == 2) std::rethrow_exception(std::get<2>(result_));
-    return std::move(std::get<1>(result_));
+    if (state_ == state::error) std::rethrow_exception(error_);
+    return std::move(value_);
   }
 
  private:
-  std::variant<std::monostate, T, std::exception_ptr> result_;
+  // A hand-rolled variant: std::variant's checked access and index switch
+  // showed up in the synchronous-await benchmark.
+  enum class state : unsigned char { empty, value, error };
+  union {
+    T value_;
+    std::exception_ptr error_;
+  };
+  state state_ = state::empty;
 };
 
 template <>
@@ -178,7 +249,7 @@ class [[nodiscard]] task {
     bool await_ready() const noexcept { return !h || h.done(); }
     template <class P>
     bool await_suspend(std::coroutine_handle<P> parent) noexcept {
-      h.promise().set_stop_token(detail::stop_token_of(parent));
+      h.promise().inherit_stop_token(detail::stop_token_ref(parent));
       return h.promise().start(h, parent);
     }
     T await_resume() { return h.promise().take(); }
