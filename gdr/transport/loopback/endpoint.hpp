@@ -5,7 +5,8 @@
 ///
 /// \code
 ///   gdr::scheduler sched;
-///   auto [a, b] = gdr::loopback::make_pair(sched);
+///   gdr::loopback::endpoint a, b;
+///   std::tie(a, b) = gdr::loopback::make_pair(sched);  // (clang 14 cannot capture structured bindings)
 ///   gdr::sync_wait(sched, [&]() -> gdr::task<> {
 ///     std::array<int, 4> out{1, 2, 3, 4}, in{};
 ///     auto r = b.recv(gdr::host_view(in));              // posted first...

@@ -32,7 +32,9 @@ TEST_CASE("pending operations on both ends fail when one end closes") {
   gdr::scheduler sched;
   lb::options opts;
   opts.eager_limit = 0;
-  auto [a, b] = lb::make_pair(sched, gdr::default_registry(), opts);
+  auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 4> buf{};
   std::error_code a_send, b_send;
   int done = 0, failed = 0;
@@ -60,7 +62,9 @@ TEST_CASE("pending operations on both ends fail when one end closes") {
 TEST_CASE("pending receives on both ends fail when one end closes") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 4> x{}, y{};
   std::error_code a_recv, b_recv;
   int done = 0, failed = 0;
@@ -77,7 +81,9 @@ TEST_CASE("pending receives on both ends fail when one end closes") {
 TEST_CASE("messages sent before a close are still delivered to the peer, then connection_lost") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 2> m{5, 6}, in{};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     co_await a.send(gdr::host_view(m));  // eager: completes at once
@@ -108,7 +114,9 @@ TEST_CASE("destroying an endpoint closes it") {
 
 TEST_CASE("close is idempotent, can be awaited like the TCP endpoint's, and error() says why an end stopped") {
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   CHECK(!a.error());
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     std::size_t n = co_await a.close();
@@ -127,7 +135,9 @@ TEST_CASE("close is idempotent, can be awaited like the TCP endpoint's, and erro
 TEST_CASE("a stop request through op_options cancels a waiting receive") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 4> x{};
   std::stop_source src;
   std::error_code ec;
@@ -155,7 +165,8 @@ TEST_CASE("the awaiting coroutine's stop token cancels a waiting send") {
   gdr::scheduler sched;
   lb::options opts;
   opts.eager_limit = 0;
-  auto [a, b] = lb::make_pair(sched, gdr::default_registry(), opts);
+  auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
+  lb::endpoint& a = ends.first;
   std::array<int, 4> x{};
   std::stop_source src;
   std::error_code ec;
@@ -175,7 +186,9 @@ TEST_CASE("the awaiting coroutine's stop token cancels a waiting send") {
 TEST_CASE("an operation whose stop was requested before it started fails at once without moving bytes") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 1> x{42}, in{};
   std::stop_source src;
   src.request_stop();
@@ -191,7 +204,8 @@ TEST_CASE("an operation whose stop was requested before it started fails at once
 TEST_CASE("a receive with a timeout fails with timed_out when nothing arrives") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& b = ends.second;
   std::array<int, 1> x{};
   auto t0 = std::chrono::steady_clock::now();
   std::error_code ec = gdr::sync_wait(sched, error_of(b.recv(gdr::host_view(x), gdr_test::timeout_opts(20ms))));
@@ -207,7 +221,9 @@ TEST_CASE("a send with a timeout fails with timed_out when nobody receives, and 
   gdr::scheduler sched;
   lb::options opts;
   opts.eager_limit = 0;
-  auto [a, b] = lb::make_pair(sched, gdr::default_registry(), opts);
+  auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 1> x{7}, y{8}, in{};
   int done = 0, failed = 0;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -224,7 +240,9 @@ TEST_CASE("a send with a timeout fails with timed_out when nobody receives, and 
 TEST_CASE("an operation that completes before its timeout succeeds and its timer is removed") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 1> x{3}, in{};
   int done = 0, failed = 0;
   auto t0 = std::chrono::steady_clock::now();
@@ -246,7 +264,9 @@ TEST_CASE("an operation that completes before its timeout succeeds and its timer
 TEST_CASE("a timeout and a stop request racing on many receives each complete exactly once") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   constexpr int n = 200;
   std::vector<std::array<int, 1>> in(n);
   std::stop_source src;

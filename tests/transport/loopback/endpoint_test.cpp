@@ -30,7 +30,9 @@ static_assert(!gdr::transport_supports<lb::transport, gdr::Device>);
 TEST_CASE("a small message sent before its receive is posted arrives intact through the eager buffer") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::vector<int> out(100), in(100, -1);
   std::iota(out.begin(), out.end(), 7);
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -53,7 +55,9 @@ TEST_CASE("a small message sent before its receive is posted arrives intact thro
 TEST_CASE("a receive posted first gets the bytes straight from the sender's buffer") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::vector<std::byte> out(1 << 20), in(1 << 20);
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<std::byte>(i * 31 + 5);
   int done = 0, failed = 0;
@@ -79,7 +83,9 @@ TEST_CASE("a receive posted first gets the bytes straight from the sender's buff
 TEST_CASE("a large send waits for its receive and completes only after the copy") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::vector<std::uint32_t> out(100000), in(100000);  // 400 kB: above the eager limit
   std::iota(out.begin(), out.end(), 1u);
   int done = 0, failed = 0;
@@ -105,7 +111,9 @@ TEST_CASE("with an eager limit of zero every message takes the zero-copy path") 
   gdr::scheduler sched;
   lb::options opts;
   opts.eager_limit = 0;
-  auto [a, b] = lb::make_pair(sched, gdr::default_registry(), opts);
+  auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   int done = 0, failed = 0;
   std::array<int, 3> out{1, 2, 3}, in{};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -123,7 +131,9 @@ TEST_CASE("with an eager limit of zero every message takes the zero-copy path") 
 TEST_CASE("message boundaries are kept, including empty messages") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::string m1 = "hello", m3 = "a somewhat longer third message";
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     co_await a.send(gdr::host_view(m1));
@@ -143,7 +153,9 @@ TEST_CASE("message boundaries are kept, including empty messages") {
 TEST_CASE("a message larger than the receive view fails with truncated and writes nothing past the view") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   SUBCASE("eager") {}
   SUBCASE("zero-copy") {
     lb::options opts;
@@ -180,7 +192,9 @@ TEST_CASE("a message larger than the receive view fails with truncated and write
 TEST_CASE("many concurrent sends and receives are matched in the order they started") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   constexpr int n = 64;
   std::vector<std::vector<std::uint32_t>> out(n), in(n);
   for (int i = 0; i < n; ++i) {
@@ -209,7 +223,9 @@ TEST_CASE("many concurrent sends and receives are matched in the order they star
 TEST_CASE("sends complete in the order they started even when an eager one follows a waiting one") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::vector<char> big(200000, 'x'), small(10, 's'), in1(200000), in2(10);
   std::vector<int> order;
   int done = 0, failed = 0;
@@ -232,7 +248,9 @@ TEST_CASE("the eager capacity bounds what a direction buffers") {
   lb::options opts;
   opts.eager_limit = 100;
   opts.eager_capacity = 250;
-  auto [a, b] = lb::make_pair(sched, gdr::default_registry(), opts);
+  auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<char, 100> m{};
   int done = 0, failed = 0;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -250,7 +268,9 @@ TEST_CASE("the eager capacity bounds what a direction buffers") {
 TEST_CASE("both directions of a pair work independently") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     std::array<int, 2> x{1, 2}, y{3, 4}, rx{}, ry{};
     co_await a.send(gdr::host_view(x));
@@ -265,7 +285,9 @@ TEST_CASE("both directions of a pair work independently") {
 TEST_CASE("pinned views travel like host views") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<double, 8> out{1, 2, 3, 4, 5, 6, 7, 8}, in{};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     co_await a.send(gdr::view<double, gdr::Pinned>(out.data(), out.size()));
@@ -277,7 +299,9 @@ TEST_CASE("pinned views travel like host views") {
 TEST_CASE("a failed send throws gdr::error at the co_await") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
-  auto [a, b] = lb::make_pair(sched);
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   b.close();
   std::array<int, 1> x{};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {

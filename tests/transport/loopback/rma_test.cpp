@@ -31,7 +31,8 @@ TEST_CASE("put writes into the peer's registered memory and get reads it back") 
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::memory_registry reg;
-  auto [a, b] = lb::make_pair(sched, reg);
+  auto ends = lb::make_pair(sched, reg);
+  lb::endpoint& a = ends.first;
   std::vector<std::uint64_t> target(256, 0);
   auto r = reg.register_memory(gdr::host_view(target));
   // What b would send to a in a message: the wire record, parsed back.
@@ -60,7 +61,8 @@ TEST_CASE("put and get outside a registration, with a wrong key, or after revoca
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::memory_registry reg;
-  auto [a, b] = lb::make_pair(sched, reg);
+  auto ends = lb::make_pair(sched, reg);
+  lb::endpoint& a = ends.first;
   std::vector<std::uint8_t> mem(64, 0x11);
   auto r = reg.register_memory(gdr::host_view(mem).subview(16, 32));  // bytes [16, 48)
   auto good = r.describe();
@@ -96,7 +98,8 @@ TEST_CASE("a read-only registration refuses put and a write-only one refuses get
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::memory_registry reg;
-  auto [a, b] = lb::make_pair(sched, reg);
+  auto ends = lb::make_pair(sched, reg);
+  lb::endpoint& a = ends.first;
   std::array<int, 4> ro{1, 2, 3, 4}, wo{5, 6, 7, 8}, buf{0, 0, 0, 0};
   auto r1 = reg.register_memory(gdr::host_view(ro), gdr::access::read);
   auto r2 = reg.register_memory(gdr::host_view(wo), gdr::access::write);
@@ -115,7 +118,8 @@ TEST_CASE("a local view larger than the remote view is an invalid argument") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::memory_registry reg;
-  auto [a, b] = lb::make_pair(sched, reg);
+  auto ends = lb::make_pair(sched, reg);
+  lb::endpoint& a = ends.first;
   std::array<int, 8> mem{}, big{};
   auto r = reg.register_memory(gdr::host_view(mem));
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -128,7 +132,9 @@ TEST_CASE("put and get on a closed pair fail, and a stop request cancels them") 
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::memory_registry reg;
-  auto [a, b] = lb::make_pair(sched, reg);
+  auto ends = lb::make_pair(sched, reg);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::array<int, 2> mem{}, x{1, 2};
   auto r = reg.register_memory(gdr::host_view(mem));
   std::stop_source src;

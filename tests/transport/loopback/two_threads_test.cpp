@@ -51,7 +51,9 @@ std::size_t size_of(int i) { return (i % 7 == 0) ? 100000 + i : static_cast<std:
 TEST_CASE("ping-pong between two schedulers on two threads delivers every message intact and in order") {
   gdr_test::watchdog wd(60);
   gdr::scheduler sa, sb;
-  auto [a, b] = lb::make_pair(sa, sb);
+  auto ends = lb::make_pair(sa, sb);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   constexpr int rounds = 500;
   std::atomic<int> bad{0};
   std::thread tb([&] {
@@ -86,7 +88,9 @@ TEST_CASE("ping-pong between two schedulers on two threads delivers every messag
 TEST_CASE("streams in both directions at once between two threads arrive in order") {
   gdr_test::watchdog wd(60);
   gdr::scheduler sa, sb;
-  auto [a, b] = lb::make_pair(sa, sb);
+  auto ends = lb::make_pair(sa, sb);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   constexpr int n = 300;
   std::atomic<int> bad{0};
   // Each side runs a sender and a receiver concurrently on its own loop.
@@ -120,7 +124,8 @@ TEST_CASE("a receive waiting on one thread is cancelled by a stop request from a
   gdr_test::watchdog wd(30);
   gdr::scheduler sb;
   gdr::scheduler sa;
-  auto [a, b] = lb::make_pair(sa, sb);
+  auto ends = lb::make_pair(sa, sb);
+  lb::endpoint& b = ends.second;
   std::stop_source src;
   std::atomic<bool> waiting{false};
   std::error_code ec;
@@ -144,7 +149,9 @@ TEST_CASE("a receive waiting on one thread is cancelled by a stop request from a
 TEST_CASE("closing an end from the main thread fails operations waiting on two other threads") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sa, sb;
-  auto [a, b] = lb::make_pair(sa, sb);
+  auto ends = lb::make_pair(sa, sb);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
   std::atomic<int> started{0};
   std::error_code ea, eb;
   auto waiter = [&](gdr::scheduler& s, lb::endpoint& ep, std::error_code& out) {
