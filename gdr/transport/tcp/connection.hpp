@@ -1224,7 +1224,7 @@ class connection {
     // likely large too and should go straight to its destination, not
     // through here.
     if (large_ && rx_end_ == rx_pos_ && skip_ == 0 && !target_.active) n = wire::header_size;
-    submit_read(rx_buf_.get() + rx_end_, n, 0, false);
+    submit_read(rx_buf_.get() + rx_end_, n, 0, false, drained_);
   }
 
   /// Reads the rest of the current payload straight into its destination.
@@ -1235,10 +1235,10 @@ class connection {
     // MSG_WAITALL: io_uring retries short stream reads itself, one CQE for the
     // whole rest; on cancellation or end of stream the CQE carries the bytes
     // already placed (io_uring/net.c, done_io).
-    submit_read(target_.dst + target_.done, target_.want - target_.done, MSG_WAITALL, true);
+    submit_read(target_.dst + target_.done, target_.want - target_.done, MSG_WAITALL, true, false);
   }
 
-  void submit_read(std::byte* dst, std::size_t n, int flags, bool direct) noexcept {
+  void submit_read(std::byte* dst, std::size_t n, int flags, bool direct, bool poll_first) noexcept {
     io_uring_sqe* sqe = sched_->get_sqe();
     if (sqe == nullptr) {
       // The SQ is full even after submitting (unreachable with sane ring
@@ -1248,6 +1248,11 @@ class connection {
       return;
     }
     io_uring_prep_recv(sqe, fd(), dst, n, flags);
+    // The last read emptied the socket (it returned less than asked): the
+    // next one would fail its first, non-blocking attempt. POLL_FIRST arms
+    // the wait at once (io_uring.h, IORING_RECVSEND_POLL_FIRST, since 5.19).
+    if (poll_first) sqe->ioprio |= IORING_RECVSEND_POLL_FIRST;
+    last_ask_ = n;
     io_uring_sqe_set_data(sqe, static_cast<operation*>(&read_op_));
     sched_->note_submitted();
     read_inflight_ = true;
@@ -1278,6 +1283,7 @@ class connection {
       }
     } else {
       rx_end_ += got;
+      drained_ = got < last_ask_;
     }
     if (error_) {
       // Failed while the read was in flight: a put being served is dropped.
@@ -1337,6 +1343,8 @@ class connection {
   std::uint64_t skip_ = 0;
   std::uint32_t rx_seq_ = 0;
   bool large_ = false;
+  bool drained_ = false;       // the last staging read emptied the socket
+  std::size_t last_ask_ = 0;  // bytes the read in flight asked for
   rx_target target_{};
   message_store store_;
   fifo<endpoint_op, &endpoint_op::prev_, &endpoint_op::next_> recvs_{};
