@@ -16,16 +16,7 @@ using namespace std::chrono_literals;
 namespace lb = gdr::loopback;
 using gdr::errc;
 
-namespace {
-
-// Awaits `op` and returns its error (or success).
-template <class Op>
-gdr::task<std::error_code> error_of(Op op) {
-  gdr::result<std::size_t> r = co_await std::move(op).as_result();
-  co_return r.error();
-}
-
-}  // namespace
+using gdr_test::error_of;
 
 TEST_CASE("pending operations on both ends fail when one end closes") {
   gdr_test::watchdog wd(30);

@@ -17,15 +17,7 @@ namespace lb = gdr::loopback;
 using gdr::errc;
 using gdr::transfer_path;
 
-namespace {
-
-template <class Op>
-gdr::task<std::error_code> error_of(Op op) {
-  gdr::result<std::size_t> r = co_await std::move(op).as_result();
-  co_return r.error();
-}
-
-}  // namespace
+using gdr_test::error_of;
 
 TEST_CASE("put writes into the peer's registered memory and get reads it back") {
   gdr_test::watchdog wd(30);

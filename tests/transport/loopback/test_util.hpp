@@ -12,6 +12,7 @@
 #include <exception>
 #include <span>
 #include <stop_token>
+#include <system_error>
 #include <utility>
 
 #include <gdr/coro/task.hpp>
@@ -76,6 +77,13 @@ inline gdr::op_options stop_opts(std::stop_token st, std::chrono::nanoseconds ti
 
 // op_options with only a timeout (see stop_opts for why not `{.timeout = d}`).
 inline gdr::op_options timeout_opts(std::chrono::nanoseconds timeout) { return stop_opts({}, timeout); }
+
+// Awaits `op` (a send, recv, put or get) and returns its error, or success.
+template <class Op>
+gdr::task<std::error_code> error_of(Op op) {
+  gdr::result<std::size_t> r = co_await std::move(op).as_result();
+  co_return r.error();
+}
 
 // FNV-1a over bytes: a checksum for message contents.
 inline std::uint64_t fnv1a(std::span<const std::byte> b) noexcept {
