@@ -340,11 +340,26 @@ class scheduler {
     constexpr unsigned batch = 64;
     bool worked = false;
     for (;;) {
-      io_uring_cqe* cqes[batch];
-      unsigned n = io_uring_peek_batch_cqe(&ring_, cqes, batch);
-      if (n == 0) break;
+      unsigned n = io_uring_cq_ready(&ring_);
+      if (n == 0) {
+        // Completions can be held in the kernel until its next entry (task
+        // work under COOP_TASKRUN, or an overflowed CQ); the kernel says so in
+        // the SQ ring's flags. This is what io_uring_peek_batch_cqe checks,
+        // inlined: that call was a tenth of the loop's own instructions per
+        // NOP (benchmarks/RESULTS.md, (a)).
+        if (!(IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_CQ_OVERFLOW | IORING_SQ_TASKRUN))) break;
+        io_uring_get_events(&ring_);
+        n = io_uring_cq_ready(&ring_);
+        if (n == 0) break;
+      }
+      if (n > batch) n = batch;
       completion done[batch];
-      for (unsigned i = 0; i < n; ++i) done[i] = {cqes[i]->user_data, cqes[i]->res, cqes[i]->flags};
+      const unsigned head = *ring_.cq.khead;
+      const unsigned mask = ring_.cq.ring_mask;
+      for (unsigned i = 0; i < n; ++i) {
+        const io_uring_cqe& c = ring_.cq.cqes[(head + i) & mask];  // 16-byte CQEs: no CQE32 ring
+        done[i] = {c.user_data, c.res, c.flags};
+      }
       // Advance before dispatching: handlers may submit and even wait.
       io_uring_cq_advance(&ring_, n);
       for (unsigned i = 0; i < n; ++i) dispatch(done[i].user_data, done[i].res, done[i].flags);
@@ -355,9 +370,10 @@ class scheduler {
   }
 
   void dispatch(std::uint64_t user_data, int res, std::uint32_t flags) noexcept {
-    if (user_data == detail::ignore_tag || user_data == detail::wake_tag) return;
+    static_assert(detail::ignore_tag == 0 && detail::wake_tag == 1);
+    if (GDR_UNLIKELY(user_data <= detail::wake_tag)) return;  // not an operation
     operation* op = operation::from_user_data(user_data);
-    if (op != &wake_op_) {
+    if (GDR_LIKELY(op != &wake_op_)) {
       ++stats_.completions;
       if (!(flags & IORING_CQE_F_MORE)) --inflight_;
     }

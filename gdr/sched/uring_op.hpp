@@ -53,7 +53,10 @@ class uring_awaitable : public operation {
 
   template <class P>
   bool await_suspend(std::coroutine_handle<P> h) noexcept {
-    std::stop_token st = stop_token_of(h);
+    // The awaiting coroutine's own token object, not a copy: a copy of a live
+    // token is two atomic reference-count updates per operation; the callback
+    // below takes the one copy it needs.
+    const std::stop_token& st = stop_token_ref(h);
     if (st.stop_requested()) {
       res_ = -ECANCELED;
       return false;
@@ -67,7 +70,7 @@ class uring_awaitable : public operation {
     io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
     sched_->note_submitted();
     waiter_ = h;
-    if (st.stop_possible()) stop_.emplace(std::move(st), canceller{this});
+    if (st.stop_possible()) stop_.emplace(st, canceller{this});
     return true;
   }
 
@@ -114,18 +117,26 @@ class uring_awaitable : public operation {
     auto* self = static_cast<uring_awaitable*>(op);
     self->res_ = res;
     self->flags_ = flags;
-    self->completed_ = true;
-    // Destroying the callback waits for one running on another thread.
-    self->stop_.reset();
-    // A cancel request posted from another thread must run before this frame
-    // can go away: its node lives here. We are on the loop's thread, so run the
-    // posted work now; the node sees `completed_` and does nothing.
-    while (self->cancel_posted_.load(std::memory_order_acquire) &&
-           !self->cancel_done_.load(std::memory_order_acquire)) {
-      self->sched_->run_posted();
-    }
+    // Only an operation that registered a stop callback has anything to
+    // settle; keeping that out of line leaves this path a few stores and a
+    // jump (benchmarks/RESULTS.md, (a)).
+    if (GDR_UNLIKELY(self->stop_.has_value())) self->settle_stop();
     self->waiter_.resume();
   }
+
+  [[gnu::noinline]] void settle_stop() noexcept {
+    completed_ = true;
+    // Destroying the callback waits for one running on another thread.
+    stop_.reset();
+    // A cancel request posted from another thread must run before this frame
+    // can go away: its node lives here. We are on the loop's thread, so run the
+    // posted work now; the node sees `completed_` and does nothing. (Without a
+    // registered callback no cancel can have been posted.)
+    while (cancel_posted_.load(std::memory_order_acquire) && !cancel_done_.load(std::memory_order_acquire)) {
+      sched_->run_posted();
+    }
+  }
+
 
   scheduler* sched_;
   std::coroutine_handle<> waiter_{};
