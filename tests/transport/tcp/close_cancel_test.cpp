@@ -383,3 +383,28 @@ TEST_CASE("both ends closing at once both succeed") {
   }());
   CHECK(sched.inflight() == 0);
 }
+
+TEST_CASE("a peer that stops reading is dropped after socket_options::user_timeout") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp::endpoint_options fast;
+    fast.socket.user_timeout = std::chrono::milliseconds(500);
+    // Only a's side has the short bound; b is alive but never posts a
+    // receive, so its window closes (as a stopped or hung process's would).
+    tcp::listener l(sched, tcp::address::loopback(0));
+    auto acc = l.accept();
+    tcp::endpoint a = co_await tcp::connect(sched, l.local_address(), {}, gdr::default_registry(), fast);
+    tcp::endpoint b = co_await std::move(acc);
+    std::vector<std::byte> big(64 << 20, std::byte{1});
+    auto t0 = std::chrono::steady_clock::now();
+    auto r = co_await a.send(gdr::host_view(big)).as_result();
+    auto took = std::chrono::steady_clock::now() - t0;
+    CHECK(r.error() == gdr::errc::connection_lost);  // ETIMEDOUT from the kernel
+    CHECK(took < 10s);
+    MESSAGE("dropped after " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+    co_await a.close();
+    co_await b.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
