@@ -70,7 +70,9 @@ gdr::task<> memory(std::vector<std::uint32_t>& data) {
 
 // 4. An in-process endpoint pair: message boundaries, and the path taken.
 gdr::task<> loopback(gdr::scheduler& sched) {
-  auto [a, b] = gdr::loopback::make_pair(sched);
+  auto pair = gdr::loopback::make_pair(sched);
+  auto& a = pair.first;  // references, not structured bindings: clang 14
+  auto& b = pair.second; // cannot capture those in the lambdas below
   std::vector<int> out{1, 2, 3, 4}, in(16);
   auto sender = [&]() -> gdr::task<> { co_await a.send(gdr::host_view(std::as_const(out))); };
   auto receiver = [&]() -> gdr::task<std::size_t> { co_return co_await b.recv(gdr::host_view(in)); };
