@@ -97,10 +97,10 @@ namespace detail {
 template <class T>
 struct token_awaiter {
   std::coroutine_handle<detail::task_promise<T>> h;
-  std::stop_token st;
+  std::stop_token st;  // lives in the awaiting frame for the whole await
   bool await_ready() const noexcept { return false; }
   bool await_suspend(std::coroutine_handle<> parent) noexcept {
-    h.promise().set_stop_token(std::move(st));
+    h.promise().inherit_stop_token(st);
     return h.promise().start(h, parent);  // see promise_base::start
   }
   T await_resume() { return h.promise().take(); }

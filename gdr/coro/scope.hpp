@@ -110,7 +110,7 @@ class task_scope {
 
  private:
   struct spawned {
-    struct promise_type : detail::promise_base {
+    struct promise_type : detail::owning_promise_base {
       task_scope* scope = nullptr;
       spawned get_return_object() noexcept {
         return spawned{std::coroutine_handle<promise_type>::from_promise(*this)};

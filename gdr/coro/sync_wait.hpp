@@ -31,7 +31,7 @@ namespace detail {
 // begins inside the scheduler's loop with `scheduler::current()` set.
 class sync_wait_task {
  public:
-  struct promise_type : promise_base {
+  struct promise_type : owning_promise_base {
     bool done = false;
     sync_wait_task get_return_object() noexcept {
       return sync_wait_task{std::coroutine_handle<promise_type>::from_promise(*this)};

@@ -37,14 +37,17 @@ namespace detail {
 
 class promise_base;
 
+/// An empty token with static storage: what a coroutine observes until it is
+/// given or inherits one.
+inline const std::stop_token no_stop_token{};
+
 // The promise an awaiter on this thread is starting inline right now (see
-// promise_base::start), and whether it reached its final suspension before
-// start() regained control. Thread-locals, not promise members: once the
-// child's resume() returns, its frame may already be gone (it moved to another
-// thread, finished there and its parent destroyed it), so start() reads only
-// these. Constant-initialised: no TLS wrapper call on access.
+// promise_base::start). That promise's final suspension sets it to null to
+// say "finished before start() regained control". A thread-local, not a
+// promise member: once the child's resume() returns, its frame may already be
+// gone (it moved to another thread, finished there and its parent destroyed
+// it), so start() reads only this. Constant-initialised: no TLS wrapper call.
 inline constinit thread_local promise_base* starting_inline = nullptr;
-inline constinit thread_local bool finished_inline = false;
 
 /// What every gdr promise offers its awaitables: the continuation to resume
 /// when it finishes, and the stop token that cancels what it waits on.
@@ -60,7 +63,7 @@ class promise_base {
       // Still inside the start() that resumed us, on this thread: tell it we
       // are done and return to it; it continues the parent without nesting.
       if (starting_inline == &p) {
-        finished_inline = true;
+        starting_inline = nullptr;
         return std::noop_coroutine();
       }
       // Otherwise the parent is suspended: transfer to it.
@@ -71,24 +74,16 @@ class promise_base {
   };
   final_awaiter final_suspend() noexcept { return {}; }
 
-  promise_base() noexcept = default;
-  promise_base(const promise_base&) = delete;  // stop_ may point into *this
-  promise_base& operator=(const promise_base&) = delete;
-
   /// The token every operation awaited by this coroutine observes.
   const std::stop_token& stop_token() const noexcept { return *stop_; }
-  /// Gives this coroutine a token of its own (roots, combinators' children).
-  /// Before it starts only.
-  void set_stop_token(std::stop_token st) noexcept {
-    own_stop_ = std::move(st);
-    stop_ = &own_stop_;
-  }
-  /// Makes this coroutine observe `parent`'s token object itself, not a copy:
-  /// copying a live token costs two atomic reference-count updates per await.
-  /// `parent` must outlive this coroutine's run, as an awaiting parent's
-  /// promise does (it stays suspended until the child finishes). Before it
-  /// starts only.
-  void inherit_stop_token(const std::stop_token& parent) noexcept { stop_ = &parent; }
+  /// Makes this coroutine observe the token object `st` itself, not a copy:
+  /// copying a live token costs two atomic reference-count updates per await,
+  /// and a token member in every promise costs its construction and
+  /// destruction per task (benchmarks/RESULTS.md, (b)). `st` must outlive
+  /// this coroutine's run: an awaiting parent's token does (the parent stays
+  /// suspended until the child finishes), so does a token held by the
+  /// awaiter or by the awaiting frame. Before the coroutine starts only.
+  void inherit_stop_token(const std::stop_token& st) noexcept { stop_ = &st; }
   /// Runs this coroutine (`self`) on behalf of `parent` until it first
   /// suspends or finishes. Returns true if the parent must suspend (the child
   /// will resume it), false if the child already finished (the parent goes on
@@ -100,38 +95,53 @@ class promise_base {
   /// under ASan or TSan, so a long loop of synchronously completing
   /// `co_await`s overflows the stack there (measured: 1e6 awaits crash at -O0,
   /// -O1, and -O2 with ASan or TSan; clang is fine). Resuming the child here
-  /// and learning through thread-locals whether it finished keeps the stack
+  /// and learning through a thread-local whether it finished keeps the stack
   /// flat for synchronous completions; asynchronous ones resume from the event
   /// loop, whose stack is shallow anyway.
   ///
-  /// Why thread-locals and not an atomic in the promise (cppcoro's scheme
+  /// Why a thread-local and not an atomic in the promise (cppcoro's scheme
   /// before symmetric transfer): the atomic costs two locked instructions per
   /// await, most of the price of a synchronous await (benchmarks/RESULTS.md,
   /// (b)). The race the atomic settles, a child finishing on another thread
   /// while start() is still returning, needs none: the other thread's
   /// `starting_inline` is not this promise, so it resumes the parent itself,
-  /// and this thread then sees `finished_inline` false and suspends the
-  /// parent without touching either frame again.
+  /// and this thread then finds its own still set and suspends the parent
+  /// without touching either frame again.
   bool start(std::coroutine_handle<> self, std::coroutine_handle<> parent) noexcept {
     continuation_ = parent;
     promise_base* outer = starting_inline;
     starting_inline = this;
     self.resume();
-    // From here on `this` may be gone: thread-locals and locals only.
-    bool done = finished_inline;
-    finished_inline = false;
+    // From here on `this` may be gone: thread-locals and locals only. Nested
+    // starts inside the resume restored the value they found, so it is still
+    // `this` unless our child reached its final suspension.
+    bool suspended = starting_inline != nullptr;
     starting_inline = outer;
-    return !done;
+    return suspended;
   }
 
  private:
   std::coroutine_handle<> continuation_{};
-  std::stop_token own_stop_{};
-  const std::stop_token* stop_ = &own_stop_;
+  const std::stop_token* stop_ = &no_stop_token;
 };
 
-/// An empty token with static storage, for parents that have none.
-inline const std::stop_token no_stop_token{};
+/// A promise base that owns its token: for coroutines that start a tree of
+/// tasks (sync_wait's, when_all's and task_scope's wrappers), whose token has
+/// no awaiting frame to live in.
+class owning_promise_base : public promise_base {
+ public:
+  owning_promise_base() noexcept = default;
+  owning_promise_base(const owning_promise_base&) = delete;  // stop_ points into *this
+  owning_promise_base& operator=(const owning_promise_base&) = delete;
+  /// Gives this coroutine a token of its own. Before it starts only.
+  void set_stop_token(std::stop_token st) noexcept {
+    own_stop_ = std::move(st);
+    inherit_stop_token(own_stop_);
+  }
+
+ private:
+  std::stop_token own_stop_{};
+};
 
 /// A promise type that can hand a stop token to the operations it awaits.
 template <class P>
@@ -165,11 +175,10 @@ class task_promise final : public promise_base {
  public:
   task_promise() noexcept {}
   ~task_promise() {
-    if (state_ == state::value) {
-      value_.~T();
-    } else if (state_ == state::error) {
-      error_.~exception_ptr();
+    if constexpr (!std::is_trivially_destructible_v<T>) {
+      if (state_ == state::value) value_.~T();
     }
+    if (state_ == state::error) error_.~exception_ptr();
   }
 
   task<T> get_return_object() noexcept;
@@ -301,7 +310,8 @@ inline constexpr this_stop_token_t this_stop_token{};
 /// `co_await gdr::with_stop_token(src.get_token(), work());`
 template <class T>
 task<T> with_stop_token(std::stop_token st, task<T> t) {
-  t.handle().promise().set_stop_token(std::move(st));
+  // `st` lives in this frame, which outlives `t`'s run.
+  t.handle().promise().inherit_stop_token(st);
   // Await through the handle so the token set above is not overwritten by the
   // parent's token in task::awaiter::await_suspend.
   struct direct {

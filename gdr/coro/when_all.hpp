@@ -74,7 +74,7 @@ struct join_counter {
 /// it was the last one to finish.
 class join_child {
  public:
-  struct promise_type : promise_base {
+  struct promise_type : owning_promise_base {
     join_counter* counter = nullptr;
     join_child get_return_object() noexcept {
       return join_child{std::coroutine_handle<promise_type>::from_promise(*this)};
