@@ -7,6 +7,8 @@
 #   tests/cuda/*_test.cpp     GDR_HAS_CUDA=1
 #   examples/quickstart.cpp   if present (built and run)
 #   benchmarks/cuda_event_bench.cpp  (-O2, run once; CSV kept)
+#   benchmarks/nop_bench.cpp, resume_bench.cpp  (-O2, run once each: the
+#                             (a) and (b) ratios on this machine's CPU)
 # Any *.cu among them goes through nvcc with -arch=sm_90.
 #
 # liburing: from Debian packages in .carry/ (git-ignored) when present:
@@ -80,7 +82,12 @@ for src in tests/cuda/*_test.cpp tests/cuda/*_test.cu; do
 done
 [[ -e examples/quickstart.cpp ]] && echo "quickstart|examples/quickstart.cpp|1|example" >>"$JOBFILE"
 [[ -e examples/quickstart.cu ]] && echo "quickstart|examples/quickstart.cu|1|example" >>"$JOBFILE"
-[[ "${GDR_NO_BENCH:-0}" == 1 ]] || echo "cuda_event_bench|benchmarks/cuda_event_bench.cpp|1|bench" >>"$JOBFILE"
+if [[ "${GDR_NO_BENCH:-0}" != 1 ]]; then
+  echo "cuda_event_bench|benchmarks/cuda_event_bench.cpp|1|bench" >>"$JOBFILE"
+  for b in nop_bench resume_bench; do
+    [[ -e benchmarks/$b.cpp ]] && echo "$b|benchmarks/$b.cpp|0|hostbench" >>"$JOBFILE"
+  done
+fi
 
 # doctest's main, once.
 if ! $CXX "${COMMON[@]}" -O1 -c tests/support/doctest_main.cpp -o "$BUILD/doctest_main.o" >>"$BUILD_LOG" 2>&1; then
@@ -90,7 +97,7 @@ fi
 
 build_one() {  # name src cuda kind
   local name=$1 src=$2 cuda=$3 kind=$4 log="$BUILD/$1.build.log" opt=-O1 extra=()
-  [[ "$kind" == bench ]] && opt=-O2
+  [[ "$kind" == bench || "$kind" == hostbench ]] && opt=-O2
   [[ "$kind" == test ]] && extra=("$BUILD/doctest_main.o")
   local t0=$SECONDS rc
   if [[ "$src" == *.cu ]]; then
@@ -162,6 +169,12 @@ while IFS='|' read -r name src cuda kind; do
       detail="exit $rc"
       grep -q '^\[gdr-skip\]' "$BENCH_LOG" && detail="skipped: $(sed -n 's/^\[gdr-skip\] [^:]*: //p' "$BENCH_LOG")"
       printf '%-38s %-10s %s\n' "$name" "$status" "$detail" >>"$BUILD/summary.body"
+      ;;
+    hostbench)
+      log="$OUT/$name.log"
+      timeout 200 "$BUILD/$name" >"$log" 2>&1; rc=$?
+      if [[ "$rc" == 0 ]]; then status=RAN; else status=FAIL; fails=$((fails + 1)); fi
+      printf '%-38s %-10s %s\n' "$name" "$status" "$(grep '^ratio' "$log" | head -1)" >>"$BUILD/summary.body"
       ;;
   esac
 done <"$JOBFILE"
