@@ -137,6 +137,10 @@ class event_operation : public operation {
   event_operation* next_ = nullptr;
   int device_ = 0;
   bool signalled_ = false;  // a host function will wake the loop for it
+  // cudaEventQuery's answer, between poll()'s two passes. cudaError_t values
+  // stay below 2^15 (the largest, cudaErrorApiFailureBase, is 10000); int16
+  // keeps the operation at 32 bytes.
+  std::int16_t query_ = 0;
 };
 
 /// The CUDA event poller of one scheduler. See the file comment.
@@ -232,15 +236,19 @@ class event_poller final : public poller {
 
   /// Completes every operation whose event has finished: per stream, the
   /// FIFO's head while ready. Loop thread only (the scheduler calls it).
+  ///
+  /// The finished operations are first taken off their FIFOs and the
+  /// poller's books closed; only then are they completed, and `this` is not
+  /// touched after the first completion: completing one resumes a coroutine,
+  /// and that coroutine may destroy this poller (a scope holding both the
+  /// poller and the last copy ends right there), or enqueue more work.
   poll_status poll() noexcept override {
     poll_status st;
     if (pending_ == 0) return st;
-    // Index loop: completing an operation resumes a coroutine, which may
-    // enqueue more work and grow fifos_.
-    for (std::size_t i = 0; i < fifos_.size(); ++i) {
-      for (;;) {
-        event_operation* op = fifos_[i].head;
-        if (op == nullptr) break;
+    event_operation* ready = nullptr;  // finished operations, in completion order
+    event_operation** ready_tail = &ready;
+    for (fifo& f : fifos_) {
+      while (event_operation* op = f.head) {
         ++stats_.queries;
         cudaError_t e = cudaEventQuery(op->event_);
         if (e == cudaErrorNotReady) {
@@ -248,16 +256,18 @@ class event_poller final : public poller {
           (void)cudaGetLastError();
           break;
         }
-        fifos_[i].head = op->next_;
-        if (fifos_[i].head == nullptr) fifos_[i].tail = nullptr;
+        f.head = op->next_;
+        if (f.head == nullptr) f.tail = nullptr;
         --pending_;
         if (!op->signalled_) --unsignalled_;
-        std::error_code ec = check(e, "cudaEventQuery");  // aborts on a poisoned context
+        (void)check(e, "cudaEventQuery");  // aborts on a poisoned context
+        op->query_ = static_cast<std::int16_t>(e);
         release_event(op->device_, op->event_);
         op->event_ = nullptr;
+        op->next_ = nullptr;
+        *ready_tail = op;
+        ready_tail = &op->next_;
         ++stats_.completed;
-        st.did_work = true;
-        op->complete(op, ec ? -static_cast<int>(e) : 0, 0);
       }
     }
     // Forget streams with nothing queued (streams come and go).
@@ -265,6 +275,12 @@ class event_poller final : public poller {
     if (pending_ != 0) {
       // (A) covers a pending event only if a host function will fire for it.
       st.sleep_bound = unsignalled_ == 0 ? std::chrono::nanoseconds::max() : opts_.poll_interval;
+    }
+    st.did_work = ready != nullptr;
+    // From here on: locals only (see above).
+    while (event_operation* op = ready) {
+      ready = op->next_;  // read first: completing may free *op
+      op->complete(op, -static_cast<int>(op->query_), 0);  // 0 on success
     }
     return st;
   }

@@ -21,7 +21,10 @@ struct poll_status {
 
 /// A completion source polled by the scheduler (seastar's `pollfn`, UCX's
 /// progress callbacks). Pollers are owned by their creator and must be removed
-/// from the scheduler before they are destroyed.
+/// from the scheduler before they are destroyed. A completion a poller makes
+/// resumes a coroutine inline, and that coroutine may remove and destroy the
+/// very poller that resumed it: `poll` must not touch its object after it
+/// completes an operation (finish the bookkeeping first, complete last).
 ///
 /// Thread-safety: `poll` is called only on the scheduler's thread.
 class poller {

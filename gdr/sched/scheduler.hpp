@@ -192,9 +192,15 @@ class scheduler {
   // ---------------------------------------------------------------- pollers
 
   /// Adds a completion source; polled every iteration until removed.
-  void add_poller(poller& p) { pollers_.push_back(&p); }
+  /// Either may be called from inside a poller's `poll()` (a completion
+  /// resumed a coroutine that created or destroyed a poller).
+  void add_poller(poller& p) {
+    pollers_.push_back(&p);
+    ++pollers_changed_;
+  }
   void remove_poller(poller& p) noexcept {
     std::erase(pollers_, &p);
+    ++pollers_changed_;
   }
 
   // ---------------------------------------------------------------- remote
@@ -261,11 +267,16 @@ class scheduler {
     bool worked = drain_remote();
     worked |= reap();
     auto bound = std::chrono::nanoseconds::max();
-    for (poller* p : pollers_) {
-      poll_status s = p->poll();
+    // By index, and re-read: a poll may add or remove pollers (see
+    // add_poller). If the set changed, one may have been skipped, so the loop
+    // goes round again instead of sleeping on an incomplete bound.
+    std::uint64_t changed = pollers_changed_;
+    for (std::size_t i = 0; i < pollers_.size(); ++i) {
+      poll_status s = pollers_[i]->poll();
       worked |= s.did_work;
       if (s.sleep_bound < bound) bound = s.sleep_bound;
     }
+    worked |= changed != pollers_changed_;
     if (!worked && may_block && mode_ == run_mode::sleep && bound.count() > 0) {
       sleep(bound);
     } else {
@@ -409,6 +420,7 @@ class scheduler {
   wake_op wake_op_{};
   std::size_t inflight_ = 0;
   std::vector<poller*> pollers_;
+  std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
   std::atomic<remote_work*> remote_head_{nullptr};
   std::atomic<bool> sleeping_{false};
   scheduler_stats stats_{};

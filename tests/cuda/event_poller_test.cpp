@@ -6,15 +6,18 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
+#include <gdr/coro/when_all.hpp>
 #include <gdr/cuda/event_poller.hpp>
 #include <gdr/cuda/stream.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/sched/timer.hpp>
 
 #include "tests/cuda/cuda_test_support.hpp"
 #include "tests/support/skip.hpp"
@@ -167,6 +170,34 @@ TEST_CASE("the destructor waits for host functions still in flight") {
     // the scope must not free what the callback touches before it returns.
   }
   CHECK(cudaStreamSynchronize(s.get()) == cudaSuccess);
+}
+
+TEST_CASE("a coroutine resumed by the poller may destroy the poller") {
+  // The quickstart's shape: a coroutine owns the poller and the stream, and
+  // its last co_await is resumed from inside poll(); it then destroys both.
+  // The poller must not touch itself after completing it (on the heap here,
+  // so ASan would name the use-after-free).
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  for (const config& c : configs) {
+    const std::string name = c.name;
+    CAPTURE(name);
+    gdr::scheduler sched({.mode = c.mode});
+    gdr_test::busy_work work;
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto events = std::make_unique<gdr::cuda::event_poller>(sched, gdr::cuda::event_poller_options{.wake = c.wake});
+      gdr::cuda::stream a(0), b(0);
+      work.queue(a, 1);
+      // Two completions in one poll: the first resumes a coroutine that is
+      // still waiting for the second; this one destroys the poller after the
+      // second, while poll() is still on the stack.
+      auto wait = [](gdr::cuda::stream& s) -> gdr::task<> { co_await gdr::cuda::synchronize(s); };
+      co_await gdr::when_all(wait(a), wait(b));
+      CHECK(events->pending() == 0);
+      events.reset();
+    }());
+    CHECK(gdr::cuda::event_poller::of(sched) == nullptr);
+    gdr::sync_wait(sched, [&]() -> gdr::task<> { co_await gdr::nop(); }());  // the loop still runs
+  }
 }
 
 TEST_CASE("waits on two streams complete independently") {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -209,6 +210,45 @@ TEST_CASE("a poller's sleep bound wakes a sleeping loop to poll again") {
   int before = p.polls;
   gdr::sync_wait(s, nops(1));
   CHECK(p.polls == before);  // removed: no longer polled
+}
+
+TEST_CASE("a coroutine resumed by a poller may destroy that poller and others, and add new ones") {
+  // The pollers live on the heap, owned by the coroutine, so that using one
+  // after it is gone is a heap use-after-free ASan reports. The scheduler
+  // polls `first` and then `second`; the coroutine that `first` resumes
+  // destroys both and adds a third, all inside first->poll().
+  gdr::scheduler s({.mode = gdr::run_mode::sleep});
+  bool third_polled = false;
+  class flag_poller final : public gdr::poller {
+   public:
+    explicit flag_poller(bool* f) : f_(f) {}
+    gdr::poll_status poll() noexcept override {
+      *f_ = true;
+      return {};
+    }
+    const char* name() const noexcept override { return "flag"; }
+
+   private:
+    bool* f_;
+  };
+  flag_poller third(&third_polled);
+  auto body = [&]() -> gdr::task<> {
+    auto first = std::make_unique<deadline_poller>(1ms);
+    auto second = std::make_unique<deadline_poller>(1ms);
+    s.add_poller(*first);
+    s.add_poller(*second);
+    co_await first->wait_until(std::chrono::steady_clock::now() + 2ms);
+    // Resumed from inside first->poll(), before `second` is polled.
+    s.remove_poller(*first);
+    s.remove_poller(*second);
+    first.reset();
+    second.reset();
+    s.add_poller(third);
+    co_await gdr::nop();
+  };
+  gdr::sync_wait(s, body());
+  CHECK(third_polled);
+  s.remove_poller(third);
 }
 
 TEST_CASE("post from a plain thread wakes a sleeping loop through the eventfd") {
