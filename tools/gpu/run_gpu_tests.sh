@@ -23,7 +23,10 @@
 #
 # Environment: CXX (g++), NVCC ($CUDA_HOME/bin/nvcc), CUDA_HOME
 # (/usr/local/cuda), GDR_WERROR (1: -Werror), GDR_JOBS (nproc),
-# GDR_BENCH_ARGS (extra benchmark arguments, e.g. --quick), GDR_NO_BENCH=1.
+# GDR_BENCH_ARGS (extra benchmark arguments, e.g. --quick), GDR_NO_BENCH=1,
+# GDR_SANITIZE=1 (tests and quickstart under ASan+UBSan, no benchmarks;
+# ASan needs protect_shadow_gap=0 beside the CUDA driver's mappings, and leak
+# checking is off because the driver keeps allocations until exit).
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -60,6 +63,12 @@ WARN=(-Wall -Wextra -Wundef)
 [[ "$WERROR" == 1 ]] && WARN+=(-Werror)
 COMMON=(-std=c++20 "${WARN[@]}" -I"$ROOT" -isystem "$CUDA_HOME/include" "${URING_INC[@]}")
 LIBS=("$CUDART_A" "${URING_LIB[@]}" -ldl -lrt -lpthread)
+if [[ "${GDR_SANITIZE:-0}" == 1 ]]; then
+  COMMON+=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+  export ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0:abort_on_error=1
+  export UBSAN_OPTIONS=print_stacktrace=1
+  GDR_NO_BENCH=1
+fi
 
 {
   echo "host: $(uname -srm); $($CXX --version | head -1)"
