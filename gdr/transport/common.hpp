@@ -26,10 +26,30 @@ namespace gdr {
 /// it passes first the operation completes with `errc::timed_out`. Either way
 /// the operation's buffers stay in use until the transport is done with them:
 /// the coroutine resumes only after that.
+///
+///   co_await ep.recv(v, {src.get_token()});         // a stop token
+///   co_await ep.recv(v, {50ms});                    // a timeout
+///   co_await ep.recv(v, {src.get_token(), 50ms});   // both
+///
+/// Deliberately not an aggregate (no `{.timeout = 50ms}`): GCC 12 destroys
+/// the members of an aggregate temporary twice when it is brace-initialized
+/// inside a `co_await` expression, which for the stop token is a
+/// use-after-free of its shared state (clang and GCC 13 are fine). With
+/// constructors GCC 12 builds and destroys it once; tests/transport pin that.
 struct op_options {
   std::stop_token stop{};
   std::chrono::nanoseconds timeout{0};
+
+  op_options() noexcept = default;
+  op_options(std::stop_token st) noexcept : stop(std::move(st)) {}  // NOLINT: implicit by design
+  template <class Rep, class Period>
+  op_options(std::chrono::duration<Rep, Period> t) noexcept  // NOLINT: implicit by design
+      : timeout(std::chrono::duration_cast<std::chrono::nanoseconds>(t)) {}
+  template <class Rep, class Period>
+  op_options(std::stop_token st, std::chrono::duration<Rep, Period> t) noexcept
+      : stop(std::move(st)), timeout(std::chrono::duration_cast<std::chrono::nanoseconds>(t)) {}
 };
+static_assert(!std::is_aggregate_v<op_options>, "see the GCC 12 note above");
 
 /// How an operation's bytes travelled. Observable on every endpoint
 /// (`endpoint.last_path()`, and per-path counters in `endpoint.stats()`).

@@ -4,7 +4,7 @@
 /// returns a `tcp::endpoint`.
 ///
 /// \code
-///   gdr::tcp::endpoint ep = co_await gdr::tcp::connect(sched, "127.0.0.1:5000", {.timeout = 2s});
+///   gdr::tcp::endpoint ep = co_await gdr::tcp::connect(sched, "127.0.0.1:5000", {2s});
 ///   // or, without exceptions:
 ///   gdr::result<gdr::tcp::endpoint> r = co_await gdr::tcp::connect(sched, addr).as_result();
 /// \endcode

@@ -63,13 +63,6 @@
 ///   * close() with a timeout or stop stops flushing: the connection is
 ///     aborted.
 ///
-/// GCC 12 caveat (observed with 12.2, not with clang 14): an `op_options`
-/// braced list written inside the `co_await` expression,
-/// `co_await ep.recv(v, {.stop = tok})`, is destroyed twice when it holds a
-/// stop token (a use-after-free of the token's state). Make the operation
-/// first: `auto op = ep.recv(v, {.stop = tok}); co_await std::move(op);`.
-/// Timeout-only options are unaffected.
-///
 /// Failure. When the peer goes away (end of stream without a close frame,
 /// reset, TCP_USER_TIMEOUT, keepalive), every pending and later operation
 /// fails with `errc::connection_lost`, at once: the kernel reports a killed

@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <stop_token>
+#include <utility>
 #include <vector>
 
 #include <gdr/coro/sync_wait.hpp>
@@ -149,6 +150,34 @@ TEST_CASE("a stop request through op_options cancels a waiting receive") {
   CHECK(ec == errc::cancelled);
   CHECK(b.stats().failed == 1);
   CHECK(b.stats().recvs == 1);
+}
+
+TEST_CASE("op_options braced inside the co_await expression are destroyed once") {
+  // GCC 12 destroyed an aggregate temporary built there twice: the stop
+  // token's shared state was released early, and a later request_stop (or
+  // the source's destructor) touched freed memory; ASan names it. op_options
+  // has constructors so that this cannot happen (gdr/transport/common.hpp).
+  gdr_test::watchdog wd(30);
+  gdr::scheduler sched;
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
+  std::stop_source src;
+  std::array<int, 4> m{1, 2, 3, 4}, x{};
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    for (int i = 0; i < 100; ++i) {
+      co_await a.send(gdr::host_view(std::as_const(m)), {src.get_token()});
+      co_await b.recv(gdr::host_view(x), {src.get_token(), 5s});
+      co_await a.send(gdr::host_view(std::as_const(m)), {5s});
+      auto r = co_await b.recv(gdr::host_view(x), {src.get_token()}).as_result();
+      CHECK(r.value() == sizeof m);
+    }
+  }());
+  CHECK(x == m);
+  CHECK(src.stop_possible());
+  CHECK(src.request_stop());
+  CHECK(src.get_token().stop_requested());
+  CHECK(b.stats().recvs == 200);
 }
 
 TEST_CASE("the awaiting coroutine's stop token cancels a waiting send") {

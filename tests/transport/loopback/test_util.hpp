@@ -63,20 +63,13 @@ detached spawn(F f, int& done, int& failed) {
   ++done;
 }
 
-// op_options with a stop token, built outside the co_await expression.
-// GCC 12 destroys the members of an aggregate temporary twice when the
-// aggregate is brace-initialized inside a co_await expression
-// (`co_await ep.recv(v, {.stop = tok})` corrupts the stop state's reference
-// count; clang is fine). A function's prvalue result is not affected.
+// op_options with a stop token and an optional timeout.
 inline gdr::op_options stop_opts(std::stop_token st, std::chrono::nanoseconds timeout = {}) {
-  gdr::op_options o;
-  o.stop = std::move(st);
-  o.timeout = timeout;
-  return o;
+  return {std::move(st), timeout};
 }
 
-// op_options with only a timeout (see stop_opts for why not `{.timeout = d}`).
-inline gdr::op_options timeout_opts(std::chrono::nanoseconds timeout) { return stop_opts({}, timeout); }
+// op_options with only a timeout.
+inline gdr::op_options timeout_opts(std::chrono::nanoseconds timeout) { return {timeout}; }
 
 // Awaits `op` (a send, recv, put or get) and returns its error, or success.
 template <class Op>

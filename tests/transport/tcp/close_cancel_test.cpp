@@ -15,9 +15,6 @@
 
 #include "tests/transport/tcp/tcp_test_util.hpp"
 
-// GCC 12 destroys an aggregate temporary twice when it is built inside a
-// co_await expression (here the op_options holding a stop token), so these
-// tests build the operation first and await it on the next line.
 namespace tcp = gdr::tcp;
 using namespace std::chrono_literals;
 using tcp_test::connected_pair;
@@ -64,7 +61,7 @@ TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it 
     int done = 0;
     gdr::result<std::size_t> r1 = gdr::errc::busy;
     tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = b.recv(gdr::host_view(in), {.stop = src.get_token()});
+      auto op = b.recv(gdr::host_view(in), {src.get_token()});
       r1 = co_await std::move(op).as_result();
     }, done);
     co_await gdr::sleep_for(5ms);
@@ -85,7 +82,7 @@ TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it 
     while (done < 2) co_await gdr::nop();
     CHECK(r2.error() == gdr::errc::cancelled);
     // A stop already requested: completes without starting.
-    auto pre_stopped = b.recv(gdr::host_view(in), {.stop = src.get_token()});
+    auto pre_stopped = b.recv(gdr::host_view(in), {src.get_token()});
     CHECK((co_await std::move(pre_stopped).as_result()).error() == gdr::errc::cancelled);
     // The endpoint is unharmed: the next message goes to the next recv.
     auto r = b.recv(gdr::host_view(in));
@@ -108,13 +105,13 @@ TEST_CASE("a recv with a timeout completes with timed_out and the endpoint stays
     auto& b = ab_pair.second;
     std::array<int, 2> in{}, out{8, 9};
     auto t0 = std::chrono::steady_clock::now();
-    auto r = co_await b.recv(gdr::host_view(in), {.timeout = 30ms}).as_result();
+    auto r = co_await b.recv(gdr::host_view(in), {30ms}).as_result();
     auto waited = std::chrono::steady_clock::now() - t0;
     CHECK(r.error() == gdr::errc::timed_out);
     CHECK(waited >= 25ms);
     CHECK(waited < 2s);
     // A timeout that does not fire is removed: the op completes normally.
-    auto r2 = b.recv(gdr::host_view(in), {.timeout = 5s});
+    auto r2 = b.recv(gdr::host_view(in), {5s});
     co_await a.send(gdr::host_view(out));
     CHECK(co_await std::move(r2) == 8);
     CHECK(in == out);
@@ -137,7 +134,7 @@ TEST_CASE("a recv cancelled while its message arrives drops that message and the
     int done = 0;
     gdr::result<std::size_t> r = gdr::errc::busy;
     tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = p.ep.recv(gdr::host_view(in), {.stop = src.get_token()});
+      auto op = p.ep.recv(gdr::host_view(in), {src.get_token()});
       r = co_await std::move(op).as_result();
     }, done);
     // Half the message: the rest is then read straight into `in`, and waits.
@@ -174,10 +171,10 @@ TEST_CASE("a send waiting behind a large one is withdrawn by its timeout and nev
     gdr::result<std::size_t> big_r = gdr::errc::busy;
     tcp_test::spawn([&]() -> gdr::task<> {
       // Committed once it is in the kernel: its own timeout does not withdraw it.
-      big_r = co_await a.send(gdr::host_view(big), {.timeout = 10ms}).as_result();
+      big_r = co_await a.send(gdr::host_view(big), {10ms}).as_result();
     }, done);
     std::array<int, 1> withdrawn{111}, after{222};
-    auto r = co_await a.send(gdr::host_view(withdrawn), {.timeout = 20ms}).as_result();
+    auto r = co_await a.send(gdr::host_view(withdrawn), {20ms}).as_result();
     CHECK(r.error() == gdr::errc::timed_out);
     CHECK(done == 0);
     int sent_after = 0;
@@ -209,7 +206,7 @@ TEST_CASE("a stop requested from another thread cancels a pending recv") {
     auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
     auto& b = ab_pair.second;
     std::array<int, 1> in{};
-    auto op = b.recv(gdr::host_view(in), {.stop = src.get_token()});
+    auto op = b.recv(gdr::host_view(in), {src.get_token()});
     waiting.store(true);
     CHECK((co_await std::move(op).as_result()).error() == gdr::errc::cancelled);
     co_await a.close();
@@ -273,7 +270,7 @@ TEST_CASE("close with a timeout aborts when the peer does not read") {
     gdr::result<std::size_t> sent = gdr::errc::busy;
     tcp_test::spawn([&]() -> gdr::task<> { sent = co_await a.send(gdr::host_view(big)).as_result(); }, done);
     auto t0 = std::chrono::steady_clock::now();
-    CHECK((co_await a.close({.timeout = 30ms}).as_result()).error() == gdr::errc::timed_out);
+    CHECK((co_await a.close({30ms}).as_result()).error() == gdr::errc::timed_out);
     CHECK(std::chrono::steady_clock::now() - t0 < 2s);
     while (done < 1) co_await gdr::nop();
     CHECK(sent.error() == gdr::errc::closed);  // committed, then aborted under it
@@ -312,12 +309,12 @@ TEST_CASE("accept honours its timeout and stop token, and a closed listener wake
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     tcp::listener l(sched, "127.0.0.1:0");
-    CHECK((co_await l.accept({.timeout = 20ms}).as_result()).error() == gdr::errc::timed_out);
+    CHECK((co_await l.accept({20ms}).as_result()).error() == gdr::errc::timed_out);
     std::stop_source src;
     int done = 0;
     gdr::result<tcp::endpoint> stopped = gdr::errc::busy;
     tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = l.accept({.stop = src.get_token()});
+      auto op = l.accept({src.get_token()});
       stopped = co_await std::move(op).as_result();
     }, done);
     co_await gdr::sleep_for(5ms);
@@ -346,7 +343,7 @@ TEST_CASE("connect honours its timeout when the peer's accept queue is full") {
     bool timed_out = false;
     std::vector<tcp::endpoint> kept;
     for (int i = 0; i < 8 && !timed_out; ++i) {
-      auto r = co_await tcp::connect(sched, tcp::address::loopback(port), {.timeout = 50ms}).as_result();
+      auto r = co_await tcp::connect(sched, tcp::address::loopback(port), {50ms}).as_result();
       if (r) {
         kept.push_back(std::move(*r));
       } else {

@@ -95,7 +95,7 @@ TEST_CASE("a forked peer process exchanges messages and serves put and get") {
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     tcp::listener l(sched, "127.0.0.1:0");
     send_port(pipe_w, l.local_address().port());
-    tcp::endpoint ep = co_await l.accept({.timeout = 10s});
+    tcp::endpoint ep = co_await l.accept({10s});
     std::array<std::byte, 40> wire{};
     CHECK(co_await ep.recv(gdr::host_view(wire)) == 40);
     auto window = gdr::remote_view<std::uint64_t, gdr::Host>::from_wire(wire);
@@ -154,7 +154,7 @@ TEST_CASE("a peer killed mid-stream fails every pending operation with connectio
       });
       tcp::listener l(sched, "127.0.0.1:0");
       send_port(pipe_w, l.local_address().port());
-      tcp::endpoint ep = co_await l.accept({.timeout = 10s});
+      tcp::endpoint ep = co_await l.accept({10s});
       std::array<std::byte, 40> wire{};
       co_await ep.recv(gdr::host_view(wire));
       auto window = gdr::remote_view<std::byte, gdr::Host>::from_wire(wire);

@@ -237,7 +237,7 @@ TEST_CASE("a get queued behind a send the peer does not read yet is withdrawn at
     std::stop_source stop;
     gdr::result<std::size_t> got = gdr::errc::busy;  // not yet set
     tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = a.get(gdr::host_view(dst), r.describe(), {.stop = stop.get_token()});  // see close_cancel_test.cpp
+      auto op = a.get(gdr::host_view(dst), r.describe(), {stop.get_token()});
       got = co_await std::move(op).as_result();
     }, done);
     co_await gdr::sleep_for(std::chrono::milliseconds(20));
@@ -277,7 +277,7 @@ TEST_CASE("a get cancelled while waiting for its reply completes at once and its
     std::stop_source stop;
     gdr::result<std::size_t> got = gdr::errc::busy;  // not yet set
     tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = a.get(gdr::host_view(dst), r.describe(), {.stop = stop.get_token()});  // see close_cancel_test.cpp
+      auto op = a.get(gdr::host_view(dst), r.describe(), {stop.get_token()});
       got = co_await std::move(op).as_result();
     }, done);
     co_await gdr::sleep_for(std::chrono::milliseconds(20));
