@@ -28,6 +28,19 @@
 #error "gdr needs C++20 with coroutines (-std=c++20)"
 #endif
 
+/// 1 when built under ThreadSanitizer (gcc's -fsanitize=thread defines
+/// __SANITIZE_THREAD__; clang answers __has_feature).
+#if defined(__SANITIZE_THREAD__)
+#define GDR_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define GDR_TSAN 1
+#endif
+#endif
+#ifndef GDR_TSAN
+#define GDR_TSAN 0
+#endif
+
 #if defined(__GNUC__)
 #define GDR_LIKELY(x) __builtin_expect(!!(x), 1)
 #define GDR_UNLIKELY(x) __builtin_expect(!!(x), 0)

@@ -60,10 +60,16 @@
 #include <utility>
 #include <vector>
 
+#include <gdr/config.hpp>
 #include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
+
+#if GDR_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
 
 namespace gdr {
 
@@ -119,6 +125,7 @@ class scheduler {
       rc = io_uring_queue_init_params(opts.sq_entries, &ring_, &p);
     }
     if (rc < 0) throw error(errno_code(-rc), "io_uring_queue_init");
+    tsan_ring_handoff(true);
     // EFD_NONBLOCK matters: a blocking eventfd sends io_uring's read to a kernel
     // worker thread, 35-60 us a wake-up instead of ~2 us (measured here).
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -140,6 +147,7 @@ class scheduler {
   ~scheduler() {
     assert(inflight_ == 0 && "scheduler destroyed with operations in flight");
     assert(remote_head_.load() == nullptr && "scheduler destroyed with posted work");
+    tsan_ring_handoff(false);
     io_uring_queue_exit(&ring_);
     ::close(wake_fd_);
   }
@@ -297,6 +305,30 @@ class scheduler {
   }
 
  private:
+  // liburing maps and unmaps the rings with raw system calls, which TSan does
+  // not see: when a ring freed on one thread is mapped again at the same
+  // address by another, TSan takes the first SQE writes of the new ring for a
+  // race with the old one's. Each page of a ring is a TSan sync object: the
+  // destructor releases it, the constructor acquires it, so the reuse is
+  // ordered as a free and a malloc would be. No-op without TSan.
+  void tsan_ring_handoff([[maybe_unused]] bool acquire) noexcept {
+#if GDR_TSAN
+    auto pages = [acquire](void* base, std::size_t size) {
+      constexpr std::size_t page = 4096;
+      auto* b = static_cast<char*>(base);
+      for (std::size_t off = 0; off < size; off += page) {
+        if (acquire)
+          __tsan_acquire(b + off);
+        else
+          __tsan_release(b + off);
+      }
+    };
+    pages(ring_.sq.ring_ptr, ring_.sq.ring_sz);
+    if (ring_.cq.ring_ptr != ring_.sq.ring_ptr) pages(ring_.cq.ring_ptr, ring_.cq.ring_sz);
+    pages(ring_.sq.sqes, std::size_t{ring_.sq.ring_entries} * sizeof(io_uring_sqe));
+#endif
+  }
+
   struct binding {
     scheduler* prev;
     explicit binding(scheduler* s) noexcept : prev(std::exchange(detail::current_scheduler, s)) {}
