@@ -11,6 +11,12 @@
 /// read or written. Destroying (or `revoke()`-ing) the handle revokes the key
 /// at once; keys are never reused within a registry.
 ///
+/// The registry remembers whether the host may dereference the memory. The
+/// host-side transports (loopback, TCP) move a put or get with the CPU, so
+/// `resolve` refuses a registration of memory it cannot touch (`Device`):
+/// a peer's put into GPU memory over TCP fails with `errc::remote_access`
+/// instead of a CPU store to a device address.
+///
 /// Thread-safety: a registry may be used from any thread (registration is
 /// rare, resolution frequent: a shared mutex).
 #pragma once
@@ -25,6 +31,7 @@
 #include <sys/random.h>
 
 #include <gdr/error.hpp>
+#include <gdr/memory/access.hpp>
 #include <gdr/memory/remote_view.hpp>
 #include <gdr/memory/space.hpp>
 #include <gdr/memory/view.hpp>
@@ -113,12 +120,14 @@ class memory_registry {
       if (::getrandom(&key, sizeof key, 0) != static_cast<ssize_t>(sizeof key))
         throw error(errno_code(errno), "gdr::register_memory: getrandom");
     } while (key == 0 || by_key_.contains(key));
-    by_key_.emplace(key, entry{reinterpret_cast<std::uintptr_t>(v.data()), v.size_bytes(), a});
+    by_key_.emplace(key, entry{reinterpret_cast<std::uintptr_t>(v.data()), v.size_bytes(), a,
+                               space_traits<S>::host_accessible});
     return registration<T, S>(this, v, key);
   }
 
-  /// The owner's check of a remote access: `[addr, addr + len)` must lie
-  /// inside the live registration `key` and allow `a`. Returns the local
+  /// The owner's check of a remote access that the CPU will carry out:
+  /// `[addr, addr + len)` must lie inside the live registration `key`, which
+  /// must allow `a` and be memory the host may dereference. Returns the local
   /// address, or `errc::remote_access`.
   result<std::byte*> resolve(std::uint64_t addr, std::size_t len, std::uint64_t key, access a) const noexcept {
     std::shared_lock lock(mu_);
@@ -128,6 +137,7 @@ class memory_registry {
     // Overflow-safe containment: addr >= base && len <= size && addr - base <= size - len.
     if (addr < e.base || len > e.bytes || addr - e.base > e.bytes - len) return errc::remote_access;
     if (!allows(e.perm, a)) return errc::remote_access;
+    if (!e.host_accessible) return errc::remote_access;
     return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr));
   }
 
@@ -147,6 +157,7 @@ class memory_registry {
     std::uintptr_t base;
     std::size_t bytes;
     access perm;
+    bool host_accessible;  // space_traits<S>::host_accessible of the registered view
   };
   mutable std::shared_mutex mu_;
   std::map<std::uint64_t, entry> by_key_;

@@ -55,6 +55,23 @@ TEST_CASE("resolve accepts exactly the bytes inside a registration") {
   CHECK(denied(reg.resolve(base, 51, key, access::read)));      // one byte too long
 }
 
+TEST_CASE("the host-side resolve refuses a registration of memory the host cannot dereference") {
+  // A Device view at a made-up address (never dereferenced): registering it
+  // works (an RDMA transport may reach it later), but a put or get that the
+  // CPU would carry out is refused, whatever its range, key and permission.
+  gdr::memory_registry reg;
+  gdr::view<std::byte, gdr::Device> dev(reinterpret_cast<std::byte*>(std::uintptr_t{0x7f0000000000}), 4096, 0);
+  auto r = reg.register_memory(dev);
+  CHECK(reg.size() == 1);
+  CHECK(denied(reg.resolve(0x7f0000000000, 16, r.key(), access::read)));
+  CHECK(denied(reg.resolve(0x7f0000000000, 16, r.key(), access::write)));
+  // Pinned memory is host memory: resolved like Host.
+  std::vector<std::byte> mem(64);
+  gdr::view<std::byte, gdr::Pinned> pinned(mem.data(), mem.size());
+  auto p = reg.register_memory(pinned);
+  CHECK(ok(reg.resolve(reinterpret_cast<std::uint64_t>(mem.data()), 64, p.key(), access::write)));
+}
+
 TEST_CASE("resolve rejects ranges whose end overflows the address space") {
   gdr::memory_registry reg;
   constexpr std::uintptr_t top = std::numeric_limits<std::uintptr_t>::max();
