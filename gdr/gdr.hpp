@@ -43,6 +43,7 @@
 #include <gdr/transport/tcp.hpp>
 
 // Bootstrap
+#include <gdr/bootstrap/mesh.hpp>
 #include <gdr/bootstrap/rendezvous.hpp>
 #include <gdr/bootstrap/tcp_rendezvous.hpp>
 

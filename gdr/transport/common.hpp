@@ -8,6 +8,7 @@
 /// once device memory arrives), as UCX keeps `uct/` apart from `ucp/`.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -74,6 +75,23 @@ constexpr const char* to_string(transfer_path p) noexcept {
   }
   return "?";
 }
+
+/// Counters every endpoint keeps, updated on its scheduler's thread as its
+/// operations complete. Transports extend it with their own
+/// (`tcp::endpoint_stats`).
+struct transfer_stats {
+  std::uint64_t sends = 0;           ///< sends completed successfully
+  std::uint64_t recvs = 0;           ///< receives completed successfully
+  std::uint64_t puts = 0;            ///< puts completed successfully
+  std::uint64_t gets = 0;            ///< gets completed successfully
+  std::uint64_t failed = 0;          ///< operations that completed with an error
+  std::uint64_t bytes_sent = 0;      ///< payload bytes of successful sends and puts
+  std::uint64_t bytes_received = 0;  ///< payload bytes of successful receives and gets
+  /// Successful operations by the path they took, indexed by `transfer_path`.
+  std::array<std::uint64_t, static_cast<std::size_t>(transfer_path::gpudirect_rdma) + 1> by_path{};
+  /// Successful operations that took path `p`.
+  std::uint64_t on_path(transfer_path p) const noexcept { return by_path[static_cast<std::size_t>(p)]; }
+};
 
 /// The transport traits table: what transport `T` moves zero-copy from and to
 /// memory space `S` (a type-level form of NCCL's `ptrSupport`). Conservative

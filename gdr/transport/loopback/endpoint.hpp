@@ -137,20 +137,8 @@ struct options {
   std::size_t eager_capacity = 1024 * 1024;
 };
 
-/// Counters of one end, updated as its operations complete.
-struct endpoint_stats {
-  std::uint64_t sends = 0;           ///< sends completed successfully
-  std::uint64_t recvs = 0;           ///< receives completed successfully
-  std::uint64_t puts = 0;            ///< puts completed successfully
-  std::uint64_t gets = 0;            ///< gets completed successfully
-  std::uint64_t failed = 0;          ///< operations that completed with an error
-  std::uint64_t bytes_sent = 0;      ///< payload bytes of successful sends and puts
-  std::uint64_t bytes_received = 0;  ///< payload bytes of successful receives and gets
-  /// Successful operations by the path they took, indexed by `transfer_path`.
-  std::array<std::uint64_t, 6> by_path{};
-  /// Successful operations that took path `p`.
-  std::uint64_t on_path(transfer_path p) const noexcept { return by_path[static_cast<std::size_t>(p)]; }
-};
+/// Counters of one end (the counters every transport keeps).
+using endpoint_stats = transfer_stats;
 
 }  // namespace loopback
 

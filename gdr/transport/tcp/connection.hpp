@@ -144,17 +144,7 @@ struct endpoint_options {
 };
 
 /// Counters of one endpoint, updated as its operations complete.
-struct endpoint_stats {
-  std::uint64_t sends = 0;           ///< sends completed successfully
-  std::uint64_t recvs = 0;           ///< receives completed successfully
-  std::uint64_t puts = 0;            ///< puts completed successfully
-  std::uint64_t gets = 0;            ///< gets completed successfully
-  std::uint64_t failed = 0;          ///< operations that completed with an error
-  std::uint64_t bytes_sent = 0;      ///< payload bytes of successful sends and puts
-  std::uint64_t bytes_received = 0;  ///< payload bytes of successful receives and gets
-  /// Successful operations by the path they took, indexed by `transfer_path`.
-  std::array<std::uint64_t, 6> by_path{};
-  // ---- TCP specifics ----
+struct endpoint_stats : transfer_stats {
   std::uint64_t writes = 0;            ///< sendmsg submissions (batches of frames)
   std::uint64_t zero_copy_writes = 0;  ///< of which SENDMSG_ZC
   std::uint64_t reads = 0;             ///< receive submissions (staging and direct)
@@ -165,8 +155,6 @@ struct endpoint_stats {
   std::uint64_t served_puts = 0;       ///< peer puts applied to registered memory
   std::uint64_t served_gets = 0;       ///< peer gets answered with data
   std::uint64_t refused = 0;           ///< peer puts/gets refused (errc::remote_access on their side)
-  /// Successful operations that took path `p`.
-  std::uint64_t on_path(transfer_path p) const noexcept { return by_path[static_cast<std::size_t>(p)]; }
 };
 
 }  // namespace tcp
