@@ -22,12 +22,13 @@ def gdr_copts():
 _DOCTEST = [
     str(Label("//tests/support:doctest_main")),
     str(Label("//tests/support:skip")),
+    str(Label("//tests/support:watchdog")),
     str(Label("@system_doctest//:doctest")),
 ]
 
 def gdr_test(name, srcs, deps = [], size = "small", tags = [], data = [], env = {}, copts = [], **kwargs):
     """A doctest cc_test: links doctest's main; "tests/support/skip.hpp"
-    (GDR_SKIP) is available.
+    (GDR_SKIP) and "tests/support/watchdog.hpp" are available.
 
     Tag tests that need hardware or run long, so they can be filtered with
     --test_tag_filters: "gpu", "rdma", "multi_gpu", "long".

@@ -11,26 +11,11 @@
 
 #include <gdr/sched/scheduler.hpp>
 
+#include "tests/support/watchdog.hpp"
+
 namespace coro_test {
 
-// Kills the process with a message if a test case runs longer than `seconds`:
-// a broken combinator must fail the test, not hang it.
-class watchdog {
- public:
-  explicit watchdog(unsigned seconds) noexcept {
-    struct sigaction sa {};
-    sa.sa_handler = [](int) {
-      static const char msg[] = "watchdog: test case took too long, aborting\n";
-      [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
-      ::_exit(124);
-    };
-    ::sigaction(SIGALRM, &sa, nullptr);
-    ::alarm(seconds);
-  }
-  ~watchdog() { ::alarm(0); }
-  watchdog(const watchdog&) = delete;
-  watchdog& operator=(const watchdog&) = delete;
-};
+using watchdog = gdr_test_support::watchdog;
 
 // A scheduler whose loop runs on its own thread until destruction, for tests
 // where a task moves to another thread and back.

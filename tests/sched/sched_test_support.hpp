@@ -13,25 +13,11 @@
 #include <gdr/coro/task.hpp>
 #include <gdr/sched/operation.hpp>
 
+#include "tests/support/watchdog.hpp"
+
 namespace sched_test {
 
-// Kills the process with a message if a test case runs longer than `seconds`.
-class watchdog {
- public:
-  explicit watchdog(unsigned seconds) noexcept {
-    struct sigaction sa {};
-    sa.sa_handler = [](int) {
-      static const char msg[] = "watchdog: test case took too long, aborting\n";
-      [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
-      ::_exit(124);
-    };
-    ::sigaction(SIGALRM, &sa, nullptr);
-    ::alarm(seconds);
-  }
-  ~watchdog() { ::alarm(0); }
-  watchdog(const watchdog&) = delete;
-  watchdog& operator=(const watchdog&) = delete;
-};
+using watchdog = gdr_test_support::watchdog;
 
 // A coroutine that starts at once and frees itself at the end: for starting
 // operations from inside a loop without any gdr/coro combinator.

@@ -18,26 +18,11 @@
 #include <gdr/coro/task.hpp>
 #include <gdr/transport/common.hpp>
 
+#include "tests/support/watchdog.hpp"
+
 namespace gdr_test {
 
-// Kills the test process with a message if a test case takes longer than
-// `seconds`: no test may hang, even when the code under test is broken.
-class watchdog {
- public:
-  explicit watchdog(unsigned seconds) noexcept {
-    struct sigaction sa {};
-    sa.sa_handler = [](int) {
-      static const char msg[] = "watchdog: test case took too long, aborting\n";
-      [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
-      ::_exit(124);
-    };
-    ::sigaction(SIGALRM, &sa, nullptr);
-    ::alarm(seconds);
-  }
-  ~watchdog() { ::alarm(0); }
-  watchdog(const watchdog&) = delete;
-  watchdog& operator=(const watchdog&) = delete;
-};
+using watchdog = gdr_test_support::watchdog;
 
 // A coroutine that starts at once and is never awaited: runs `f()` (a
 // coroutine lambda, kept alive in this frame: a lambda coroutine's captures

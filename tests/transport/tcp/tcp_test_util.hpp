@@ -26,36 +26,11 @@
 #include <gdr/coro/task.hpp>
 #include <gdr/transport/tcp.hpp>
 
+#include "tests/support/watchdog.hpp"
+
 namespace tcp_test {
 
-// Ends the process with a message if a test case runs longer than `seconds`.
-class watchdog {
- public:
-  explicit watchdog(unsigned seconds) noexcept {
-    if (const doctest::ContextOptions* o = doctest::getContextOptions(); o && o->currentTest)
-      current_name() = o->currentTest->m_name;
-    struct sigaction sa {};
-    sa.sa_handler = [](int) {
-      static const char msg[] = "watchdog: test case took too long (hang), aborting: ";
-      [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
-      const char* name = current_name();
-      n = ::write(2, name, std::strlen(name));
-      n = ::write(2, "\n", 1);
-      ::_exit(124);
-    };
-    ::sigaction(SIGALRM, &sa, nullptr);
-    ::alarm(seconds);
-  }
-  ~watchdog() { ::alarm(0); }
-  watchdog(const watchdog&) = delete;
-  watchdog& operator=(const watchdog&) = delete;
-
- private:
-  static const char*& current_name() noexcept {
-    static const char* name = "?";
-    return name;
-  }
-};
+using watchdog = gdr_test_support::watchdog;
 
 // A coroutine that starts at once and is never awaited.
 struct detached {
