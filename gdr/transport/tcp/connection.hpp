@@ -139,6 +139,14 @@ struct endpoint_options {
   /// Peer requests (put/get) served at once; more stop the reader until a
   /// reply has been written.
   std::size_t reply_slots = 64;
+  /// While the scheduler is in `run_mode::busy_poll`, read the socket the
+  /// way a spinning `recv(MSG_DONTWAIT)` loop does: each read is a
+  /// non-blocking attempt that completes at once (with -EAGAIN when nothing
+  /// is there) and is issued again on the next loop iteration, instead of a
+  /// read that waits on io_uring's internal poll (wake-up, task work, then
+  /// the CQE). Lower latency when data arrives; one receive attempt per idle
+  /// endpoint per loop iteration. false: always wait through io_uring's poll.
+  bool spin_reads_in_busy_poll = true;
   /// Socket settings (keepalive, TCP_USER_TIMEOUT, ...).
   socket_options socket{};
 };
@@ -149,6 +157,7 @@ struct endpoint_stats : transfer_stats {
   std::uint64_t zero_copy_writes = 0;  ///< of which SENDMSG_ZC
   std::uint64_t reads = 0;             ///< receive submissions (staging and direct)
   std::uint64_t direct_reads = 0;      ///< of which straight into a user or registered buffer
+  std::uint64_t spin_reads = 0;        ///< of which non-blocking attempts (busy_poll, see endpoint_options)
   std::uint64_t frames_out = 0;        ///< frames written
   std::uint64_t frames_in = 0;         ///< frames parsed
   std::uint64_t unexpected = 0;        ///< data frames held because no recv was posted
@@ -1212,6 +1221,13 @@ class connection {
     // likely large too and should go straight to its destination, not
     // through here.
     if (large_ && rx_end_ == rx_pos_ && skip_ == 0 && !target_.active) n = wire::header_size;
+    if (opts_.spin_reads_in_busy_poll && sched_->mode() == run_mode::busy_poll) {
+      // MSG_DONTWAIT: io_uring completes the attempt with -EAGAIN instead of
+      // arming its poll (REQ_F_NOWAIT); read_done issues the next one.
+      ++stats_.spin_reads;
+      submit_read(rx_buf_.get() + rx_end_, n, MSG_DONTWAIT, false, false);
+      return;
+    }
     submit_read(rx_buf_.get() + rx_end_, n, 0, false, drained_);
   }
 

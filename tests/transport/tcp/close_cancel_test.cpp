@@ -48,9 +48,11 @@ gdr::task<> make_raw_peer(gdr::scheduler& s, raw_peer& p) {
 
 }  // namespace
 
-TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it still works") {
+TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it still works, in both run modes") {
   tcp_test::watchdog wd(30);
-  gdr::scheduler sched;
+  for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+  CAPTURE(static_cast<int>(mode));
+  gdr::scheduler sched({.mode = mode});
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     auto ab_pair = co_await connected_pair(sched);
     auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
@@ -94,6 +96,7 @@ TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it 
     co_await b.close();
   }());
   CHECK(sched.inflight() == 0);
+  }
 }
 
 TEST_CASE("a recv with a timeout completes with timed_out and the endpoint stays usable") {
@@ -215,9 +218,11 @@ TEST_CASE("a stop requested from another thread cancels a pending recv") {
   stopper.join();
 }
 
-TEST_CASE("close flushes pending sends, then fails pending operations with closed; the peer sees connection_lost") {
+TEST_CASE("close flushes pending sends, then fails pending operations with closed; the peer sees connection_lost, in both run modes") {
   tcp_test::watchdog wd(30);
-  gdr::scheduler sched;
+  for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+  CAPTURE(static_cast<int>(mode));
+  gdr::scheduler sched({.mode = mode});
   gdr::memory_registry reg;
   std::vector<int> mem(4);
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
@@ -256,6 +261,7 @@ TEST_CASE("close flushes pending sends, then fails pending operations with close
     CHECK(b.error() == gdr::errc::closed);
   }());
   CHECK(sched.inflight() == 0);
+  }
 }
 
 TEST_CASE("close with a timeout aborts when the peer does not read") {

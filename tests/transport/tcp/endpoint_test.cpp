@@ -86,9 +86,13 @@ TEST_CASE("a message sent before its receive is posted is kept and delivered") {
   }());
 }
 
-TEST_CASE("message boundaries are kept, in order, whatever the sizes") {
+TEST_CASE("message boundaries are kept, in order, whatever the sizes, in both run modes") {
   tcp_test::watchdog wd(60);
-  gdr::scheduler sched;
+  // sleep: reads wait on io_uring's poll; busy_poll: non-blocking read
+  // attempts re-issued every loop iteration (endpoint_options::spin_reads_in_busy_poll).
+  for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+  CAPTURE(static_cast<int>(mode));
+  gdr::scheduler sched({.mode = mode});
   // Sizes around the eager limit (16 KiB), the staging buffer (64 KiB) and beyond.
   const std::vector<std::size_t> sizes = {0,     1,     7,     40,     1000,   16383,  16384, 16385,
                                           65535, 65536, 65537, 100000, 1 << 20, 3, (4 << 20) + 3, 2};
@@ -122,10 +126,16 @@ TEST_CASE("message boundaries are kept, in order, whatever the sizes") {
     CHECK(b.stats().recvs == sizes.size());
     CHECK(b.stats().on_path(transfer_path::host_zero_copy) > 0);  // the large ones
     CHECK(b.stats().on_path(transfer_path::host_eager) > 0);      // the small ones
+    if (mode == gdr::run_mode::busy_poll) {
+      CHECK(b.stats().spin_reads > 0);
+    } else {
+      CHECK(b.stats().spin_reads == 0);
+    }
     co_await a.close();
     co_await b.close();
   }());
   CHECK(sched.inflight() == 0);
+  }
 }
 
 TEST_CASE("a message larger than the receive view is truncated and the stream stays in step") {

@@ -127,7 +127,7 @@ TEST_CASE("a forked peer process exchanges messages and serves put and get") {
   CHECK(WEXITSTATUS(status) == 0);
 }
 
-TEST_CASE("a peer killed mid-stream fails every pending operation with connection_lost within 2 s, 100 times") {
+TEST_CASE("a peer killed mid-stream fails every pending operation with connection_lost within 2 s, 100 times, in both run modes") {
   tcp_test::watchdog wd(300);
   constexpr int trials = 100;
   std::mt19937 rng(12345);
@@ -141,6 +141,8 @@ TEST_CASE("a peer killed mid-stream fails every pending operation with connectio
     auto& x = xy_pair.first;  // (clang 14 cannot capture structured bindings)
     auto& y = xy_pair.second;
     for (int t = 0; t < trials; ++t) {
+      // Odd trials busy-poll (non-blocking read attempts), even ones sleep.
+      sched.set_mode(t % 2 == 0 ? gdr::run_mode::sleep : gdr::run_mode::busy_poll);
       int pipe_w = -1;
       pid_t pid = fork_peer(pipe_w, [](tcp::endpoint& ep, gdr::memory_registry& reg) -> gdr::task<bool> {
         std::vector<std::byte> window(1 << 20);
