@@ -4,9 +4,14 @@
 // gnuplot plot. Needs: loopback; iperf3, ucx_perftest and gnuplot if present.
 //
 //   gdr_perf [--quick] [--sizes 8,4096,...] [--mode busy|sleep] [--csv F] [--plot F.png]
-//            [--cpus S,C] [--no-external]
+//            [--cpus S,C] [--no-external] [--bw-reps N]
+//
+// Bandwidth: gdr and the raw stream run --bw-reps times each (default 3),
+// alternating, and the medians are compared: a single stream run of large
+// messages is a few dozen messages and swings by 2x on a shared machine.
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -23,6 +28,7 @@ struct options {
   std::vector<std::size_t> sizes;
   bool quick = false;
   bool external = true;
+  int bw_reps = 3;
   gdr::run_mode mode = gdr::run_mode::busy_poll;
   std::string csv = "gdr_perf.csv";
   std::string plot = "gdr_perf.png";
@@ -57,9 +63,10 @@ options parse(int argc, char** argv) {
     else if (a == "--csv") o.csv = next();
     else if (a == "--plot") o.plot = next();
     else if (a == "--cpus") std::sscanf(next(), "%d,%d", &o.cfg.server_cpu, &o.cfg.client_cpu);
+    else if (a == "--bw-reps") o.bw_reps = std::max(1, std::atoi(next()));
     else {
       std::fprintf(stderr, "usage: gdr_perf [--quick] [--sizes 8,4096] [--mode busy|sleep] [--csv F] [--plot F]"
-                           " [--cpus S,C] [--no-external]\n");
+                           " [--cpus S,C] [--no-external] [--bw-reps N]\n");
       std::exit(a == "--help" ? 0 : 2);
     }
   }
@@ -122,10 +129,14 @@ int main(int argc, char** argv) {
       progress("ucx_perftest latency");
       u_lat = med(perf::external::ucx(o.cfg, true, size, li));
     }
-    progress("gdr bandwidth");
-    double g_bw = med(perf::gdr_side::run_stream(o.cfg, o.mode, size, bc));
-    progress("raw bandwidth");
-    double r_bw = med(perf::raw::run_stream(o.cfg, size, bc, o.mode == gdr::run_mode::busy_poll));
+    perf::sample g_bws, r_bws;
+    for (int rep = 0; rep < o.bw_reps; ++rep) {
+      progress("gdr bandwidth");
+      for (double v : perf::gdr_side::run_stream(o.cfg, o.mode, size, bc).v) g_bws.add(v);
+      progress("raw bandwidth");
+      for (double v : perf::raw::run_stream(o.cfg, size, bc, o.mode == gdr::run_mode::busy_poll).v) r_bws.add(v);
+    }
+    double g_bw = med(g_bws), r_bw = med(r_bws);
     if (o.external) {
       progress("iperf3 bandwidth");
       i_bw = med(perf::external::iperf3(o.cfg, size, o.quick ? 1 : 2));

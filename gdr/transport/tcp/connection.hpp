@@ -1205,6 +1205,12 @@ class connection {
     complete(op, op.ec_);  // errc::truncated was noted when the frame began
   }
 
+  /// Reads are non-blocking attempts, re-issued every loop iteration
+  /// (endpoint_options::spin_reads_in_busy_poll).
+  bool spinning() const noexcept {
+    return opts_.spin_reads_in_busy_poll && sched_->mode() == run_mode::busy_poll;
+  }
+
   /// Reads into the staging buffer.
   void read_staging() noexcept {
     if (rx_pos_ == rx_end_) {
@@ -1221,7 +1227,7 @@ class connection {
     // likely large too and should go straight to its destination, not
     // through here.
     if (large_ && rx_end_ == rx_pos_ && skip_ == 0 && !target_.active) n = wire::header_size;
-    if (opts_.spin_reads_in_busy_poll && sched_->mode() == run_mode::busy_poll) {
+    if (spinning()) {
       // MSG_DONTWAIT: io_uring completes the attempt with -EAGAIN instead of
       // arming its poll (REQ_F_NOWAIT); read_done issues the next one.
       ++stats_.spin_reads;
@@ -1236,6 +1242,12 @@ class connection {
     target_.direct = true;
     if (target_.op != nullptr) target_.op->direct_target_ = true;
     ++stats_.direct_reads;
+    if (spinning()) {
+      // Whatever has arrived, at once; pump() asks again for the rest.
+      ++stats_.spin_reads;
+      submit_read(target_.dst + target_.done, target_.want - target_.done, MSG_DONTWAIT, true, false);
+      return;
+    }
     // MSG_WAITALL: io_uring retries short stream reads itself, one CQE for the
     // whole rest; on cancellation or end of stream the CQE carries the bytes
     // already placed (io_uring/net.c, done_io).
