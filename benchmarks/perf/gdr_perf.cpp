@@ -9,9 +9,9 @@
 // Bandwidth: gdr and the raw stream run --bw-reps times each (default 3),
 // alternating, and the medians are compared: a single stream run of large
 // messages is a few dozen messages and swings by 2x on a shared machine.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
