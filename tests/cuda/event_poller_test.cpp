@@ -130,11 +130,19 @@ TEST_CASE("a wait on a busy stream completes through the scheduler in every mode
     CAPTURE(name);
     gdr::scheduler sched({.mode = c.mode});
     gdr::cuda::event_poller events(sched, {.wake = c.wake, .poll_interval = 50us});
-    work.queue(s, 4);  // ~1 ms
+    // ~2 ms of copies: longer than the loop's first iterations even under
+    // ASan, so that sleep mode really sleeps before the work ends.
+    work.queue(s, 16);
+    // Marks the end of the work itself. Not s.query(): with (A) the stream
+    // still holds the host function when the coroutine may already resume.
+    cudaEvent_t work_done = nullptr;
+    REQUIRE(cudaEventCreateWithFlags(&work_done, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventRecord(work_done, s.get()) == cudaSuccess);
     const auto t0 = std::chrono::steady_clock::now();
     gdr::sync_wait(sched, [&]() -> gdr::task<> { co_await gdr::cuda::synchronize(s); }());
     const auto waited = std::chrono::steady_clock::now() - t0;
-    CHECK(s.query().value());  // resumed only after the GPU finished
+    CHECK(cudaEventQuery(work_done) == cudaSuccess);  // resumed only after the GPU finished
+    CHECK(cudaEventDestroy(work_done) == cudaSuccess);
     CHECK(events.stats().completed == 1);
     const auto& ss = sched.stats();
     MESSAGE(name << ": waited " << std::chrono::duration<double, std::micro>(waited).count() << " us, "
