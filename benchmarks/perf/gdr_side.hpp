@@ -1,7 +1,11 @@
 // gdr_perf's gdr side: the same ping-pong and stream as the raw sockets, over
 // gdr::tcp::endpoint on a scheduler in busy-poll or sleep mode. The stream
 // keeps `depth` sends in flight (as a socket's send buffer does for the raw
-// program); the receiver keeps as many receives posted.
+// program); the receiver keeps as many receives posted. All sends read one
+// buffer and all receives write one buffer, as the raw program's single
+// send and receive buffers (and perftest's) do: the endpoint reads a
+// connection's stream in order, so the receives never write it at once, and
+// the working set stays the raw program's instead of `depth` times larger.
 #pragma once
 
 #include <deque>
@@ -64,11 +68,11 @@ inline sample run_stream(const config& cfg, gdr::run_mode mode, std::size_t size
     ready();
     gdr::sync_wait(sched, [&]() -> gdr::task<> {
       gdr::tcp::endpoint ep = co_await l.accept();
-      std::vector<std::vector<std::byte>> bufs(depth, std::vector<std::byte>(size));
+      std::vector<std::byte> buf(size);
       // `depth` receivers, each taking every depth-th message (receives are
       // matched to messages in the order they were posted).
       auto receiver = [&](std::size_t k) -> gdr::task<> {
-        gdr::view<std::byte, gdr::Host> v(bufs[k].data(), size);
+        gdr::view<std::byte, gdr::Host> v(buf.data(), size);
         for (std::size_t i = k; i < count; i += depth) co_await ep.recv(v);
       };
       std::vector<gdr::task<>> rs;
