@@ -67,6 +67,33 @@ TEST_CASE("every frame type round-trips through encode and parse") {
   }
 }
 
+TEST_CASE("encoding at run time gives the bytes that constant evaluation gives") {
+  // The run-time path stores whole fields (one memcpy each on little-endian
+  // hosts); the constant-evaluated one writes byte by byte. Same wire bytes.
+  constexpr auto h = [] {
+    frame_header x;
+    x.type = frame_type::get_reply;
+    x.seq = 0x01020304;
+    x.status = tcp::wire_status::remote_access;
+    x.addr = 0xa0b0c0d0u;
+    return x;
+  }();
+  constexpr auto at_compile_time = [&] {
+    std::array<std::byte, tcp::wire::header_size> b{};
+    tcp::encode_frame(h, b.data());
+    return b;
+  }();
+  std::array<std::byte, tcp::wire::header_size> at_run_time{};
+  frame_header copy = h;  // not a constant: the run-time path
+  tcp::encode_frame(copy, at_run_time.data());
+  CHECK(at_run_time == at_compile_time);
+  CHECK(at_run_time[8] == std::byte{0x04});   // seq, least significant byte first
+  CHECK(at_run_time[12] == std::byte{0x01});  // status
+  auto r = tcp::parse_frame(at_run_time);
+  REQUIRE(r.status == frame_status::ok);
+  CHECK(r.header == h);
+}
+
 TEST_CASE("the payload that follows a header depends on its type") {
   frame_header h;
   h.length = 99;
