@@ -138,8 +138,9 @@ class event_operation : public operation {
   int device_ = 0;
   bool signalled_ = false;  // a host function will wake the loop for it
   // cudaEventQuery's answer, between poll()'s two passes. cudaError_t values
-  // stay below 2^15 (the largest, cudaErrorApiFailureBase, is 10000); int16
-  // keeps the operation at 32 bytes.
+  // stay below 2^15 (the largest, cudaErrorApiFailureBase, is 10000; a larger
+  // one would be kept as cudaErrorUnknown); int16 keeps the operation at 32
+  // bytes.
   std::int16_t query_ = 0;
 };
 
@@ -261,7 +262,7 @@ class event_poller final : public poller {
         --pending_;
         if (!op->signalled_) --unsignalled_;
         (void)check(e, "cudaEventQuery");  // aborts on a poisoned context
-        op->query_ = static_cast<std::int16_t>(e);
+        op->query_ = static_cast<std::int16_t>(static_cast<int>(e) <= INT16_MAX ? e : cudaErrorUnknown);
         release_event(op->device_, op->event_);
         op->event_ = nullptr;
         op->next_ = nullptr;
