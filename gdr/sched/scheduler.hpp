@@ -125,6 +125,7 @@ class scheduler {
       rc = io_uring_queue_init_params(opts.sq_entries, &ring_, &p);
     }
     if (rc < 0) throw error(errno_code(-rc), "io_uring_queue_init");
+    assert(!(ring_.flags & (IORING_SETUP_SQE128 | IORING_SETUP_SQPOLL)) && "get_sqe assumes neither");
     tsan_ring_handoff(true);
     // EFD_NONBLOCK matters: a blocking eventfd sends io_uring's read to a kernel
     // worker thread, 35-60 us a wake-up instead of ~2 us (measured here).
@@ -169,12 +170,17 @@ class scheduler {
   /// queued. The caller must fill it and set its user_data, then call
   /// `note_submitted()` for SQEs whose completions reach an operation.
   io_uring_sqe* get_sqe() noexcept {
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    if (GDR_UNLIKELY(sqe == nullptr)) {
-      submit();
-      sqe = io_uring_get_sqe(&ring_);
+    // liburing's io_uring_get_sqe without its branches for SQE128 and SQPOLL
+    // rings, which gdr never creates (checked in the constructor): the
+    // fetch is on every operation's path (benchmarks/RESULTS.md, (a)).
+    io_uring_sq& sq = ring_.sq;
+    const unsigned tail = sq.sqe_tail;
+    if (GDR_LIKELY(tail - IO_URING_READ_ONCE(*sq.khead) < sq.ring_entries)) {
+      sq.sqe_tail = tail + 1;
+      return &sq.sqes[tail & sq.ring_mask];
     }
-    return sqe;
+    submit();
+    return io_uring_get_sqe(&ring_);
   }
 
   /// Counts one more operation whose final CQE is outstanding.

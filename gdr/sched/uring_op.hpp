@@ -19,6 +19,7 @@
 #include <coroutine>
 #include <optional>
 #include <stop_token>
+#include <type_traits>
 #include <utility>
 
 #include <gdr/coro/task.hpp>
@@ -70,7 +71,13 @@ class uring_awaitable : public operation {
     io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
     sched_->note_submitted();
     waiter_ = h;
-    if (st.stop_possible()) stop_.emplace(st, canceller{this});
+    if (st.stop_possible()) {
+      // The cross-thread cancellation state is built only here: most
+      // operations never have a stoppable token, and skipping its stores is
+      // measurable per NOP (benchmarks/RESULTS.md, (a)).
+      ::new (static_cast<void*>(&cancel_)) cancel_state{};
+      stop_.emplace(st, canceller{this});
+    }
     return true;
   }
 
@@ -103,14 +110,14 @@ class uring_awaitable : public operation {
       return;
     }
     // Another thread: only the loop's thread may touch the ring.
-    cancel_posted_.store(true, std::memory_order_release);
-    cancel_work_.self = this;
-    cancel_work_.run = [](remote_work* w) noexcept {
+    cancel_.posted.store(true, std::memory_order_release);
+    cancel_.work.self = this;
+    cancel_.work.run = [](remote_work* w) noexcept {
       uring_awaitable* self = static_cast<cancel_node*>(w)->self;
-      if (!self->completed_) self->sched_->cancel(self);
-      self->cancel_done_.store(true, std::memory_order_release);
+      if (!self->cancel_.completed) self->sched_->cancel(self);
+      self->cancel_.done.store(true, std::memory_order_release);
     };
-    sched_->post(&cancel_work_);
+    sched_->post(&cancel_.work);
   }
 
   static void on_complete(operation* op, int res, std::uint32_t flags) noexcept {
@@ -125,14 +132,14 @@ class uring_awaitable : public operation {
   }
 
   [[gnu::noinline]] void settle_stop() noexcept {
-    completed_ = true;
+    cancel_.completed = true;
     // Destroying the callback waits for one running on another thread.
     stop_.reset();
     // A cancel request posted from another thread must run before this frame
     // can go away: its node lives here. We are on the loop's thread, so run the
     // posted work now; the node sees `completed_` and does nothing. (Without a
     // registered callback no cancel can have been posted.)
-    while (cancel_posted_.load(std::memory_order_acquire) && !cancel_done_.load(std::memory_order_acquire)) {
+    while (cancel_.posted.load(std::memory_order_acquire) && !cancel_.done.load(std::memory_order_acquire)) {
       sched_->run_posted();
     }
   }
@@ -144,10 +151,19 @@ class uring_awaitable : public operation {
   struct cancel_node : remote_work {
     uring_awaitable* self = nullptr;
   };
-  cancel_node cancel_work_{};
-  std::atomic<bool> cancel_posted_{false};
-  std::atomic<bool> cancel_done_{false};
-  bool completed_ = false;
+  // What a stop request from another thread needs. Trivially destructible;
+  // constructed in await_suspend only when a stop callback is registered,
+  // and read only when one was.
+  struct cancel_state {
+    cancel_node work{};
+    std::atomic<bool> posted{false};
+    std::atomic<bool> done{false};
+    bool completed = false;
+  };
+  static_assert(std::is_trivially_destructible_v<cancel_state>);
+  union {
+    cancel_state cancel_;
+  };
 };
 
 }  // namespace detail
