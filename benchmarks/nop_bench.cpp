@@ -25,14 +25,12 @@
 #include <gdr/coro/when_all.hpp>
 #include <gdr/sched/timer.hpp>
 
+#include "benchmarks/bench_util.hpp"
+
 namespace {
 
 constexpr unsigned depth = 32;
 constexpr unsigned ring_entries = 256;  // gdr's default scheduler_options::sq_entries
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // The raw loop, with the same setup flags as gdr::scheduler.
 double raw_ops_per_s(long ops) {
@@ -68,7 +66,7 @@ double raw_ops_per_s(long ops) {
       reaped += n;
     }
   }
-  double s = seconds_since(t0);
+  double s = bench::seconds_since(t0);
   io_uring_queue_exit(&ring);
   return static_cast<double>(rounds * depth) / s;
 }
@@ -84,14 +82,9 @@ double gdr_ops_per_s(long ops, gdr::run_mode mode) {
   for (unsigned i = 0; i < depth; ++i) loops.push_back(nop_loop(per));
   auto t0 = std::chrono::steady_clock::now();
   gdr::sync_wait(s, gdr::when_all(std::move(loops)));
-  double secs = seconds_since(t0);
+  double secs = bench::seconds_since(t0);
   if (s.stats().completions != static_cast<std::uint64_t>(per * depth)) std::abort();
   return static_cast<double>(per * depth) / secs;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -108,10 +101,7 @@ int main(int argc, char** argv) {
     std::printf("%s: %.2f Mops/s\n", only.c_str(), r / 1e6);
     return 0;
   }
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  if (sched_setaffinity(0, sizeof set, &set) != 0) std::perror("sched_setaffinity (continuing unpinned)");
+  bench::pin_to_cpu(cpu);
 
   std::printf("io_uring NOP, %u in flight, %ld ops per round, %d rounds, pinned to CPU %d\n", depth, ops, rounds,
               cpu);
@@ -134,9 +124,9 @@ int main(int argc, char** argv) {
   }
   std::printf("median: raw %.2f Mops/s (%.1f ns/op)  gdr busy_poll %.2f Mops/s (%.1f ns/op)  gdr sleep %.2f Mops/s "
               "(%.1f ns/op)\n",
-              median(raw) / 1e6, 1e9 / median(raw), median(busy) / 1e6, 1e9 / median(busy), median(sleep) / 1e6,
-              1e9 / median(sleep));
-  std::printf("ratio gdr/raw (median of rounds): busy_poll %.3fx  sleep %.3fx  (goal >= 0.9x)\n", median(r_busy),
-              median(r_sleep));
+              bench::median(raw) / 1e6, 1e9 / bench::median(raw), bench::median(busy) / 1e6,
+              1e9 / bench::median(busy), bench::median(sleep) / 1e6, 1e9 / bench::median(sleep));
+  std::printf("ratio gdr/raw (median of rounds): busy_poll %.3fx  sleep %.3fx  (goal >= 0.9x)\n",
+              bench::median(r_busy), bench::median(r_sleep));
   return 0;
 }

@@ -30,6 +30,8 @@
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
 
+#include "benchmarks/bench_util.hpp"
+
 #define BENCH_NOINLINE __attribute__((noinline))
 
 namespace {
@@ -38,10 +40,6 @@ namespace {
 template <class T>
 inline void keep(T& v) {
   asm volatile("" : "+r"(v) : : "memory");
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // ---- gdr
@@ -116,21 +114,13 @@ long floor_loop(long n) {
   return n;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   long ops = argc > 1 ? std::atol(argv[1]) : 10'000'000;
   int rounds = argc > 2 ? std::atoi(argv[2]) : 7;
   int cpu = argc > 3 ? std::atoi(argv[3]) : 1;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  if (sched_setaffinity(0, sizeof set, &set) != 0) std::perror("sched_setaffinity (continuing unpinned)");
+  bench::pin_to_cpu(cpu);
   std::printf("synchronous task await vs raw coroutine, %ld ops per round, %d rounds, pinned to CPU %d\n", ops, rounds,
               cpu);
 
@@ -138,21 +128,21 @@ int main(int argc, char** argv) {
   auto run_gdr = [&](long n) {
     auto t0 = std::chrono::steady_clock::now();
     long sum = gdr::sync_wait(s, gdr_loop(n));
-    double ns = seconds_since(t0) * 1e9 / static_cast<double>(n);
+    double ns = bench::seconds_since(t0) * 1e9 / static_cast<double>(n);
     if (sum != n * (n - 1) / 2) std::abort();
     return ns;
   };
   auto run_raw = [](long n) {
     auto t0 = std::chrono::steady_clock::now();
     long sum = raw_loop(n);
-    double ns = seconds_since(t0) * 1e9 / static_cast<double>(n);
+    double ns = bench::seconds_since(t0) * 1e9 / static_cast<double>(n);
     if (sum != n * (n - 1) / 2) std::abort();
     return ns;
   };
   auto run_floor = [](long n) {
     auto t0 = std::chrono::steady_clock::now();
     floor_loop(n);
-    return seconds_since(t0) * 1e9 / static_cast<double>(n);
+    return bench::seconds_since(t0) * 1e9 / static_cast<double>(n);
   };
   if (argc > 4) {
     std::string only = argv[4];
@@ -174,8 +164,8 @@ int main(int argc, char** argv) {
     ratio.push_back(b / a);
     std::printf("round %d: raw %.2f ns/op  gdr task %.2f ns/op (%.3fx)  resume floor %.2f ns/op\n", k, a, b, b / a, c);
   }
-  std::printf("median: raw %.2f ns/op  gdr task %.2f ns/op  resume floor %.2f ns/op\n", median(r), median(g),
-              median(f));
-  std::printf("ratio gdr/raw (median of rounds): %.3fx  (goal <= 1.2x)\n", median(ratio));
+  std::printf("median: raw %.2f ns/op  gdr task %.2f ns/op  resume floor %.2f ns/op\n", bench::median(r),
+              bench::median(g), bench::median(f));
+  std::printf("ratio gdr/raw (median of rounds): %.3fx  (goal <= 1.2x)\n", bench::median(ratio));
   return 0;
 }

@@ -22,19 +22,14 @@
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/transport/tcp.hpp>
 
+#include "benchmarks/bench_util.hpp"
+
 namespace tcp = gdr::tcp;
 using clk = std::chrono::steady_clock;
 
 namespace {
 
 int cpu_a = 0, cpu_b = 1, reps = 7;
-
-void pin(int cpu) {
-  cpu_set_t s;
-  CPU_ZERO(&s);
-  CPU_SET(cpu, &s);
-  sched_setaffinity(0, sizeof s, &s);
-}
 
 [[noreturn]] void die(const char* what) {
   std::perror(what);
@@ -73,12 +68,12 @@ double run_pair(const std::function<void(int)>& server, const std::function<doub
   ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
   pid_t pid = ::fork();
   if (pid == 0) {
-    pin(cpu_b);
+    bench::pin_to_cpu(cpu_b);
     server(lfd);
     ::_exit(0);
   }
   ::close(lfd);
-  pin(cpu_a);
+  bench::pin_to_cpu(cpu_a);
   double r = client(ntohs(a.sin_port));
   int st = 0;
   ::waitpid(pid, &st, 0);
@@ -233,11 +228,6 @@ double gdr_stream(std::size_t size, std::size_t total, std::size_t zc_threshold)
       });
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -260,9 +250,11 @@ int main(int argc, char** argv) {
       sleep.push_back(gdr_pingpong(8, gdr::run_mode::sleep));
       if (cpu_a != cpu_b) busy.push_back(gdr_pingpong(8, gdr::run_mode::busy_poll));
     }
-    double m = median(raw), g = median(sleep);
+    double m = bench::median(raw), g = bench::median(sleep);
     std::printf("ping-pong 8 B round trip: raw %.2f us, gdr (sleep) %.2f us  ratio %.3f\n", m, g, g / m);
-    if (!busy.empty()) std::printf("                          gdr (busy_poll) %.2f us  ratio %.3f\n", median(busy), median(busy) / m);
+    if (!busy.empty())
+      std::printf("                          gdr (busy_poll) %.2f us  ratio %.3f\n", bench::median(busy),
+                  bench::median(busy) / m);
   }
   if (only.empty() || only == "stream") {
     for (std::size_t size : {std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{4} << 20}) {
@@ -271,8 +263,8 @@ int main(int argc, char** argv) {
         raw.push_back(raw_stream(size, std::size_t{2} << 30));
         g.push_back(gdr_stream(size, std::size_t{2} << 30, 0));
       }
-      std::printf("stream %7zu B messages: raw %.2f GB/s, gdr %.2f GB/s  ratio %.3f\n", size, median(raw), median(g),
-                  median(g) / median(raw));
+      std::printf("stream %7zu B messages: raw %.2f GB/s, gdr %.2f GB/s  ratio %.3f\n", size, bench::median(raw),
+                  bench::median(g), bench::median(g) / bench::median(raw));
     }
   }
   if (only.empty() || only == "zc") {
@@ -282,8 +274,8 @@ int main(int argc, char** argv) {
         plain.push_back(gdr_stream(size, std::size_t{2} << 30, 0));
         zc.push_back(gdr_stream(size, std::size_t{2} << 30, 1));
       }
-      std::printf("gdr stream %7zu B: sendmsg %.2f GB/s, sendmsg_zc %.2f GB/s  zc/plain %.3f\n", size, median(plain),
-                  median(zc), median(zc) / median(plain));
+      std::printf("gdr stream %7zu B: sendmsg %.2f GB/s, sendmsg_zc %.2f GB/s  zc/plain %.3f\n", size,
+                  bench::median(plain), bench::median(zc), bench::median(zc) / bench::median(plain));
     }
   }
 }
