@@ -137,7 +137,7 @@ class uring_awaitable : public operation {
     stop_.reset();
     // A cancel request posted from another thread must run before this frame
     // can go away: its node lives here. We are on the loop's thread, so run the
-    // posted work now; the node sees `completed_` and does nothing. (Without a
+    // posted work now; the node sees `cancel_.completed` and does nothing. (Without a
     // registered callback no cancel can have been posted.)
     while (cancel_.posted.load(std::memory_order_acquire) && !cancel_.done.load(std::memory_order_acquire)) {
       sched_->run_posted();

@@ -1227,13 +1227,6 @@ class connection {
     // likely large too and should go straight to its destination, not
     // through here.
     if (large_ && rx_end_ == rx_pos_ && skip_ == 0 && !target_.active) n = wire::header_size;
-    if (spinning()) {
-      // MSG_DONTWAIT: io_uring completes the attempt with -EAGAIN instead of
-      // arming its poll (REQ_F_NOWAIT); read_done issues the next one.
-      ++stats_.spin_reads;
-      submit_read(rx_buf_.get() + rx_end_, n, MSG_DONTWAIT, false, false);
-      return;
-    }
     submit_read(rx_buf_.get() + rx_end_, n, 0, false, drained_);
   }
 
@@ -1242,19 +1235,23 @@ class connection {
     target_.direct = true;
     if (target_.op != nullptr) target_.op->direct_target_ = true;
     ++stats_.direct_reads;
-    if (spinning()) {
-      // Whatever has arrived, at once; pump() asks again for the rest.
-      ++stats_.spin_reads;
-      submit_read(target_.dst + target_.done, target_.want - target_.done, MSG_DONTWAIT, true, false);
-      return;
-    }
     // MSG_WAITALL: io_uring retries short stream reads itself, one CQE for the
     // whole rest; on cancellation or end of stream the CQE carries the bytes
-    // already placed (io_uring/net.c, done_io).
+    // already placed (io_uring/net.c, done_io). When spinning, submit_read
+    // makes it an attempt for whatever has arrived; pump() asks for the rest.
     submit_read(target_.dst + target_.done, target_.want - target_.done, MSG_WAITALL, true, false);
   }
 
   void submit_read(std::byte* dst, std::size_t n, int flags, bool direct, bool poll_first) noexcept {
+    if (spinning()) {
+      // A non-blocking attempt instead of the read's own way of waiting
+      // (MSG_WAITALL, POLL_FIRST): with MSG_DONTWAIT io_uring completes it
+      // with -EAGAIN instead of arming its poll (REQ_F_NOWAIT), and
+      // read_done issues the next one.
+      flags = MSG_DONTWAIT;
+      poll_first = false;
+      ++stats_.spin_reads;
+    }
     io_uring_sqe* sqe = sched_->get_sqe();
     if (sqe == nullptr) {
       // The SQ is full even after submitting (unreachable with sane ring
