@@ -2,9 +2,6 @@
 // scheduler running on a thread of its own, and small timing helpers.
 #pragma once
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <chrono>
 #include <thread>

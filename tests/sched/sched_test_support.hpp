@@ -2,9 +2,6 @@
 // started by hand, and a remote_work node that counts its runs.
 #pragma once
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <coroutine>
 #include <exception>

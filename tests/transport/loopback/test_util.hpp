@@ -2,9 +2,6 @@
 // fire-and-forget coroutine to start many operations at once.
 #pragma once
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <coroutine>
 #include <cstdint>

@@ -51,51 +51,51 @@ gdr::task<> make_raw_peer(gdr::scheduler& s, raw_peer& p) {
 TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it still works, in both run modes") {
   tcp_test::watchdog wd(30);
   for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
-  CAPTURE(static_cast<int>(mode));
-  gdr::scheduler sched({.mode = mode});
-  gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched);
-    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
-    auto& b = ab_pair.second;
-    std::array<int, 4> in{}, out{1, 2, 3, 4};
-    // Through op_options::stop.
-    std::stop_source src;
-    int done = 0;
-    gdr::result<std::size_t> r1 = gdr::errc::busy;
-    tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = b.recv(gdr::host_view(in), {src.get_token()});
-      r1 = co_await std::move(op).as_result();
-    }, done);
-    co_await gdr::sleep_for(5ms);
-    CHECK(done == 0);
-    src.request_stop();
-    while (done < 1) co_await gdr::nop();
-    CHECK(r1.error() == gdr::errc::cancelled);
-    // Through the awaiting coroutine's own stop token.
-    std::stop_source coro_src;
-    gdr::result<std::size_t> r2 = gdr::errc::busy;
-    tcp_test::spawn([&]() -> gdr::task<> {
-      r2 = co_await gdr::with_stop_token(coro_src.get_token(), [&]() -> gdr::task<gdr::result<std::size_t>> {
-        co_return co_await b.recv(gdr::host_view(in)).as_result();
-      }());
-    }, done);
-    co_await gdr::sleep_for(5ms);
-    coro_src.request_stop();
-    while (done < 2) co_await gdr::nop();
-    CHECK(r2.error() == gdr::errc::cancelled);
-    // A stop already requested: completes without starting.
-    auto pre_stopped = b.recv(gdr::host_view(in), {src.get_token()});
-    CHECK((co_await std::move(pre_stopped).as_result()).error() == gdr::errc::cancelled);
-    // The endpoint is unharmed: the next message goes to the next recv.
-    auto r = b.recv(gdr::host_view(in));
-    co_await a.send(gdr::host_view(out));
-    CHECK(co_await std::move(r) == 16);
-    CHECK(in == out);
-    CHECK(b.stats().failed == 3);
-    co_await a.close();
-    co_await b.close();
-  }());
-  CHECK(sched.inflight() == 0);
+    CAPTURE(static_cast<int>(mode));
+    gdr::scheduler sched({.mode = mode});
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto ab_pair = co_await connected_pair(sched);
+      auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+      auto& b = ab_pair.second;
+      std::array<int, 4> in{}, out{1, 2, 3, 4};
+      // Through op_options::stop.
+      std::stop_source src;
+      int done = 0;
+      gdr::result<std::size_t> r1 = gdr::errc::busy;
+      tcp_test::spawn([&]() -> gdr::task<> {
+        auto op = b.recv(gdr::host_view(in), {src.get_token()});
+        r1 = co_await std::move(op).as_result();
+      }, done);
+      co_await gdr::sleep_for(5ms);
+      CHECK(done == 0);
+      src.request_stop();
+      while (done < 1) co_await gdr::nop();
+      CHECK(r1.error() == gdr::errc::cancelled);
+      // Through the awaiting coroutine's own stop token.
+      std::stop_source coro_src;
+      gdr::result<std::size_t> r2 = gdr::errc::busy;
+      tcp_test::spawn([&]() -> gdr::task<> {
+        r2 = co_await gdr::with_stop_token(coro_src.get_token(), [&]() -> gdr::task<gdr::result<std::size_t>> {
+          co_return co_await b.recv(gdr::host_view(in)).as_result();
+        }());
+      }, done);
+      co_await gdr::sleep_for(5ms);
+      coro_src.request_stop();
+      while (done < 2) co_await gdr::nop();
+      CHECK(r2.error() == gdr::errc::cancelled);
+      // A stop already requested: completes without starting.
+      auto pre_stopped = b.recv(gdr::host_view(in), {src.get_token()});
+      CHECK((co_await std::move(pre_stopped).as_result()).error() == gdr::errc::cancelled);
+      // The endpoint is unharmed: the next message goes to the next recv.
+      auto r = b.recv(gdr::host_view(in));
+      co_await a.send(gdr::host_view(out));
+      CHECK(co_await std::move(r) == 16);
+      CHECK(in == out);
+      CHECK(b.stats().failed == 3);
+      co_await a.close();
+      co_await b.close();
+    }());
+    CHECK(sched.inflight() == 0);
   }
 }
 
@@ -221,46 +221,46 @@ TEST_CASE("a stop requested from another thread cancels a pending recv") {
 TEST_CASE("close flushes pending sends, then fails pending operations with closed; the peer sees connection_lost, in both run modes") {
   tcp_test::watchdog wd(30);
   for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
-  CAPTURE(static_cast<int>(mode));
-  gdr::scheduler sched({.mode = mode});
-  gdr::memory_registry reg;
-  std::vector<int> mem(4);
-  auto r = gdr::register_memory(reg, gdr::host_view(mem));
-  gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched, reg);
-    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
-    auto& b = ab_pair.second;
-    std::vector<std::byte> big(8 << 20, std::byte{1});
-    int done = 0;
-    gdr::result<std::size_t> sent = gdr::errc::busy, a_recv = gdr::errc::busy;
-    tcp_test::spawn([&]() -> gdr::task<> { sent = co_await a.send(gdr::host_view(big)).as_result(); }, done);
-    std::array<int, 1> x{};
-    tcp_test::spawn([&]() -> gdr::task<> { a_recv = co_await a.recv(gdr::host_view(x)).as_result(); }, done);
-    gdr::result<std::size_t> closed = gdr::errc::busy;
-    tcp_test::spawn([&]() -> gdr::task<> { closed = co_await a.close().as_result(); }, done);
-    // b receives everything a sent before closing...
-    std::vector<std::byte> in(big.size());
-    CHECK(co_await b.recv(gdr::host_view(in)) == big.size());
-    while (done < 3) co_await gdr::nop();
-    CHECK(sent.has_value());
-    CHECK(a_recv.error() == gdr::errc::closed);
-    CHECK(closed.has_value());
-    CHECK(a.native_handle() == -1);
-    // ...then its operations fail: the peer is gone.
-    CHECK((co_await b.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
-    CHECK((co_await b.send(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
-    CHECK((co_await b.put(gdr::host_view(x), r.describe().subview(0, 1)).as_result()).error() ==
-          gdr::errc::connection_lost);
-    // Operations on the closed end fail with closed; closing again succeeds.
-    CHECK((co_await a.send(gdr::host_view(x)).as_result()).error() == gdr::errc::closed);
-    CHECK((co_await a.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::closed);
-    CHECK((co_await a.close().as_result()).has_value());
-    CHECK(!a.is_open());
-    CHECK(b.error() == gdr::errc::connection_lost);
-    co_await b.close();
-    CHECK(b.error() == gdr::errc::closed);
-  }());
-  CHECK(sched.inflight() == 0);
+    CAPTURE(static_cast<int>(mode));
+    gdr::scheduler sched({.mode = mode});
+    gdr::memory_registry reg;
+    std::vector<int> mem(4);
+    auto r = gdr::register_memory(reg, gdr::host_view(mem));
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto ab_pair = co_await connected_pair(sched, reg);
+      auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+      auto& b = ab_pair.second;
+      std::vector<std::byte> big(8 << 20, std::byte{1});
+      int done = 0;
+      gdr::result<std::size_t> sent = gdr::errc::busy, a_recv = gdr::errc::busy;
+      tcp_test::spawn([&]() -> gdr::task<> { sent = co_await a.send(gdr::host_view(big)).as_result(); }, done);
+      std::array<int, 1> x{};
+      tcp_test::spawn([&]() -> gdr::task<> { a_recv = co_await a.recv(gdr::host_view(x)).as_result(); }, done);
+      gdr::result<std::size_t> closed = gdr::errc::busy;
+      tcp_test::spawn([&]() -> gdr::task<> { closed = co_await a.close().as_result(); }, done);
+      // b receives everything a sent before closing...
+      std::vector<std::byte> in(big.size());
+      CHECK(co_await b.recv(gdr::host_view(in)) == big.size());
+      while (done < 3) co_await gdr::nop();
+      CHECK(sent.has_value());
+      CHECK(a_recv.error() == gdr::errc::closed);
+      CHECK(closed.has_value());
+      CHECK(a.native_handle() == -1);
+      // ...then its operations fail: the peer is gone.
+      CHECK((co_await b.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
+      CHECK((co_await b.send(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
+      CHECK((co_await b.put(gdr::host_view(x), r.describe().subview(0, 1)).as_result()).error() ==
+            gdr::errc::connection_lost);
+      // Operations on the closed end fail with closed; closing again succeeds.
+      CHECK((co_await a.send(gdr::host_view(x)).as_result()).error() == gdr::errc::closed);
+      CHECK((co_await a.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::closed);
+      CHECK((co_await a.close().as_result()).has_value());
+      CHECK(!a.is_open());
+      CHECK(b.error() == gdr::errc::connection_lost);
+      co_await b.close();
+      CHECK(b.error() == gdr::errc::closed);
+    }());
+    CHECK(sched.inflight() == 0);
   }
 }
 

@@ -91,50 +91,50 @@ TEST_CASE("message boundaries are kept, in order, whatever the sizes, in both ru
   // sleep: reads wait on io_uring's poll; busy_poll: non-blocking read
   // attempts re-issued every loop iteration (endpoint_options::spin_reads_in_busy_poll).
   for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
-  CAPTURE(static_cast<int>(mode));
-  gdr::scheduler sched({.mode = mode});
-  // Sizes around the eager limit (16 KiB), the staging buffer (64 KiB) and beyond.
-  const std::vector<std::size_t> sizes = {0,     1,     7,     40,     1000,   16383,  16384, 16385,
-                                          65535, 65536, 65537, 100000, 1 << 20, 3, (4 << 20) + 3, 2};
-  gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched);
-    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
-    auto& b = ab_pair.second;
-    std::vector<std::vector<std::byte>> outs, ins;
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      outs.push_back(pattern(sizes[i], static_cast<unsigned>(i)));
-      ins.emplace_back(sizes[i] + 16);  // room to spare: the size must come from the message
-    }
-    int done = 0;
-    std::vector<std::size_t> got(sizes.size(), 12345);
-    // Receives are posted first for the first half, after the sends for the rest.
-    for (std::size_t i = 0; i < sizes.size() / 2; ++i) {
-      tcp_test::spawn([&, i]() -> gdr::task<> { got[i] = co_await b.recv(gdr::host_view(ins[i])); }, done);
-    }
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      tcp_test::spawn([&, i]() -> gdr::task<> { co_await a.send(gdr::host_view(outs[i])); }, done);
-    }
-    for (std::size_t i = sizes.size() / 2; i < sizes.size(); ++i) {
-      tcp_test::spawn([&, i]() -> gdr::task<> { got[i] = co_await b.recv(gdr::host_view(ins[i])); }, done);
-    }
-    while (done < static_cast<int>(2 * sizes.size())) co_await gdr::sleep_for(std::chrono::milliseconds(1));
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      CHECK(got[i] == sizes[i]);
-      CHECK(std::equal(outs[i].begin(), outs[i].end(), ins[i].begin()));
-    }
-    CHECK(a.stats().sends == sizes.size());
-    CHECK(b.stats().recvs == sizes.size());
-    CHECK(b.stats().on_path(transfer_path::host_zero_copy) > 0);  // the large ones
-    CHECK(b.stats().on_path(transfer_path::host_eager) > 0);      // the small ones
-    if (mode == gdr::run_mode::busy_poll) {
-      CHECK(b.stats().spin_reads > 0);
-    } else {
-      CHECK(b.stats().spin_reads == 0);
-    }
-    co_await a.close();
-    co_await b.close();
-  }());
-  CHECK(sched.inflight() == 0);
+    CAPTURE(static_cast<int>(mode));
+    gdr::scheduler sched({.mode = mode});
+    // Sizes around the eager limit (16 KiB), the staging buffer (64 KiB) and beyond.
+    const std::vector<std::size_t> sizes = {0,     1,     7,     40,     1000,   16383,  16384, 16385,
+                                            65535, 65536, 65537, 100000, 1 << 20, 3, (4 << 20) + 3, 2};
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto ab_pair = co_await connected_pair(sched);
+      auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+      auto& b = ab_pair.second;
+      std::vector<std::vector<std::byte>> outs, ins;
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        outs.push_back(pattern(sizes[i], static_cast<unsigned>(i)));
+        ins.emplace_back(sizes[i] + 16);  // room to spare: the size must come from the message
+      }
+      int done = 0;
+      std::vector<std::size_t> got(sizes.size(), 12345);
+      // Receives are posted first for the first half, after the sends for the rest.
+      for (std::size_t i = 0; i < sizes.size() / 2; ++i) {
+        tcp_test::spawn([&, i]() -> gdr::task<> { got[i] = co_await b.recv(gdr::host_view(ins[i])); }, done);
+      }
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        tcp_test::spawn([&, i]() -> gdr::task<> { co_await a.send(gdr::host_view(outs[i])); }, done);
+      }
+      for (std::size_t i = sizes.size() / 2; i < sizes.size(); ++i) {
+        tcp_test::spawn([&, i]() -> gdr::task<> { got[i] = co_await b.recv(gdr::host_view(ins[i])); }, done);
+      }
+      while (done < static_cast<int>(2 * sizes.size())) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        CHECK(got[i] == sizes[i]);
+        CHECK(std::equal(outs[i].begin(), outs[i].end(), ins[i].begin()));
+      }
+      CHECK(a.stats().sends == sizes.size());
+      CHECK(b.stats().recvs == sizes.size());
+      CHECK(b.stats().on_path(transfer_path::host_zero_copy) > 0);  // the large ones
+      CHECK(b.stats().on_path(transfer_path::host_eager) > 0);      // the small ones
+      if (mode == gdr::run_mode::busy_poll) {
+        CHECK(b.stats().spin_reads > 0);
+      } else {
+        CHECK(b.stats().spin_reads == 0);
+      }
+      co_await a.close();
+      co_await b.close();
+    }());
+    CHECK(sched.inflight() == 0);
   }
 }
 
