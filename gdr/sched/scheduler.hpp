@@ -185,6 +185,9 @@ class scheduler {
 
   /// Counts one more operation whose final CQE is outstanding.
   void note_submitted() noexcept { ++inflight_; }
+  /// For operations completed by a poller instead of a CQE: counts one
+  /// counted by `note_submitted` as done.
+  void note_done() noexcept { --inflight_; }
 
   /// Submits queued SQEs now (the loop does this each iteration anyway).
   void submit() noexcept {

@@ -17,13 +17,19 @@
 /// one iovec array, [header, payload, header, payload, ...], and submits one
 /// `IORING_OP_SENDMSG`: the kernel copies the payloads straight from the
 /// users' buffers (no copy in user space, at any size), and many coroutines'
-/// small messages share one system call. A frame is *sealed* (numbered and
+/// small messages share one system call. A batch of at most `small_write`
+/// bytes is instead copied into one buffer and sent with `IORING_OP_SEND`,
+/// which costs the kernel less. A frame is *sealed* (numbered and
 /// committed) when it joins a batch; it can no longer be withdrawn, because
 /// the frames after it carry the next sequence numbers. A short write (the
 /// socket buffer filled) leaves the rest sealed at the head of the queue for
 /// the next write. A send completes when its last byte is in the kernel.
 ///
-/// Reader. One receive is in flight at a time. Normally it reads up to
+/// Reader. One read is in flight at a time: an io_uring receive, or, while
+/// the scheduler busy-polls, a `recv(MSG_DONTWAIT)` the loop retries each
+/// iteration (`endpoint_options::spin_reads_in_busy_poll`). A read decided
+/// inside an event handler enters the SQ after the sends that the handler's
+/// resumed coroutines queue, so a reply leaves first. Normally it reads up to
 /// `rx_buffer` bytes into the staging buffer, and the parser walks the frames
 /// found there. A data frame goes to the oldest posted `recv`: the part of
 /// its payload already staged is copied, the rest is read by the kernel
@@ -140,12 +146,13 @@ struct endpoint_options {
   /// reply has been written.
   std::size_t reply_slots = 64;
   /// While the scheduler is in `run_mode::busy_poll`, read the socket the
-  /// way a spinning `recv(MSG_DONTWAIT)` loop does: each read is a
-  /// non-blocking attempt that completes at once (with -EAGAIN when nothing
-  /// is there) and is issued again on the next loop iteration, instead of a
-  /// read that waits on io_uring's internal poll (wake-up, task work, then
-  /// the CQE). Lower latency when data arrives; one receive attempt per idle
-  /// endpoint per loop iteration. false: always wait through io_uring's poll.
+  /// way a spinning socket program does: the loop calls
+  /// `recv(MSG_DONTWAIT)` once per iteration while a read is pending,
+  /// instead of handing the read to io_uring, where it would wait on the
+  /// kernel's poll (wake-up, task work, then the CQE). Lower latency when
+  /// data arrives; one system call per idle endpoint per loop iteration.
+  /// Writes, and reads in `run_mode::sleep`, always go through io_uring.
+  /// false: reads always go through io_uring.
   bool spin_reads_in_busy_poll = true;
   /// Socket settings (keepalive, TCP_USER_TIMEOUT, ...).
   socket_options socket{};
@@ -155,9 +162,9 @@ struct endpoint_options {
 struct endpoint_stats : transfer_stats {
   std::uint64_t writes = 0;            ///< sendmsg submissions (batches of frames)
   std::uint64_t zero_copy_writes = 0;  ///< of which SENDMSG_ZC
-  std::uint64_t reads = 0;             ///< receive submissions (staging and direct)
+  std::uint64_t reads = 0;             ///< reads started (staging and direct; io_uring or spinning)
   std::uint64_t direct_reads = 0;      ///< of which straight into a user or registered buffer
-  std::uint64_t spin_reads = 0;        ///< of which non-blocking attempts (busy_poll, see endpoint_options)
+  std::uint64_t spin_reads = 0;        ///< non-blocking recv() attempts by the loop (busy_poll, see endpoint_options)
   std::uint64_t frames_out = 0;        ///< frames written
   std::uint64_t frames_in = 0;         ///< frames parsed
   std::uint64_t unexpected = 0;        ///< data frames held because no recv was posted
@@ -446,6 +453,9 @@ class connection {
   /// behind it stay unsealed (withdrawable) until it is out, instead of
   /// waiting inside a write that a slow peer holds up.
   static constexpr std::size_t batch_stop = 64 * 1024;
+  /// Batches of at most this many bytes (headers and payloads) are copied
+  /// into one buffer and written with `send` instead of `sendmsg`.
+  static constexpr std::size_t small_write = 512;
 
   /// Takes over `sock` (connected; options already applied) and starts
   /// reading. Call on `s`'s thread, or before `s` runs. Throws
@@ -468,6 +478,7 @@ class connection {
     write_op_.complete = &on_write;
     kick_.self = this;
     kick_.run = &on_kick;
+    spin_.self = this;
     msg_.msg_iov = iov_;
     // The reader runs from the start: the peer may send requests (put/get)
     // before this side posts anything.
@@ -546,11 +557,18 @@ class connection {
   // connection; nothing is resumed from inside a user's call.
   void enter() noexcept { ++busy_; }
   void leave() noexcept {
-    while (endpoint_op* op = ready_head_) {
-      ready_head_ = op->ready_next_;
-      if (ready_head_ == nullptr) ready_tail_ = nullptr;
-      --attached_;
-      op->waiter_.resume();  // may start ops, or destroy the endpoint
+    for (;;) {
+      while (endpoint_op* op = ready_head_) {
+        ready_head_ = op->ready_next_;
+        if (ready_head_ == nullptr) ready_tail_ = nullptr;
+        --attached_;
+        op->waiter_.resume();  // may start ops, or destroy the endpoint
+      }
+      // A staging read decided during the handler goes into the SQ behind
+      // whatever the resumed coroutines queued (see submit_read). Issuing
+      // it can fail the connection, which completes more operations.
+      if (!read_deferred_ || busy_ != 1) break;
+      issue_read();
     }
     if (--busy_ == 0 && abandoned_ && deletable()) delete this;
   }
@@ -601,7 +619,9 @@ class connection {
     bool get;
   };
 
-  ~connection() = default;  // only through leave() or abandon()
+  ~connection() {  // only through leave() or abandon()
+    if (spin_registered_) sched_->remove_poller(spin_);
+  }
 
   bool deletable() const noexcept {
     return attached_ == 0 && ready_head_ == nullptr && !read_inflight_ && !write_inflight_ && !kick_posted_;
@@ -718,8 +738,13 @@ class connection {
     if (target_.active && target_.op == &op) {
       if (read_inflight_ && read_direct_) {
         // The kernel is writing into op's buffer: stop it. The read's CQE
-        // finishes the op; the rest of the frame is skipped.
-        sched_->cancel(&read_op_);
+        // (for a spinning read, the next poll) finishes the op; the rest of
+        // the frame is skipped.
+        if (spin_pending_) {
+          spin_cancel_ = true;
+        } else {
+          sched_->cancel(&read_op_);
+        }
       } else {
         release_target();
       }
@@ -850,7 +875,19 @@ class connection {
     // MSG_NOSIGNAL: a write to a reset connection must report EPIPE, not
     // raise SIGPIPE (which kills the process by default).
     zc_write_ = opts_.zero_copy_send_threshold != 0 && payload >= opts_.zero_copy_send_threshold;
-    if (zc_write_) {
+    std::size_t bytes = 0;
+    for (std::size_t i = 0; i < iovn; ++i) bytes += iov_[i].iov_len;
+    if (bytes <= small_write && !zc_write_) {
+      // A small batch is copied into one buffer and sent with a plain send:
+      // the kernel then skips copying in a msghdr and importing an iovec
+      // array, which costs more than copying these few bytes here.
+      std::size_t off = 0;
+      for (std::size_t i = 0; i < iovn; ++i) {
+        std::memcpy(small_buf_ + off, iov_[i].iov_base, iov_[i].iov_len);
+        off += iov_[i].iov_len;
+      }
+      io_uring_prep_send(sqe, fd(), small_buf_, bytes, MSG_NOSIGNAL);
+    } else if (zc_write_) {
       io_uring_prep_sendmsg_zc(sqe, fd(), &msg_, MSG_NOSIGNAL);
       ++stats_.zero_copy_writes;
     } else {
@@ -1205,7 +1242,7 @@ class connection {
     complete(op, op.ec_);  // errc::truncated was noted when the frame began
   }
 
-  /// Reads are non-blocking attempts, re-issued every loop iteration
+  /// Reads are non-blocking recv() attempts made by the loop
   /// (endpoint_options::spin_reads_in_busy_poll).
   bool spinning() const noexcept {
     return opts_.spin_reads_in_busy_poll && sched_->mode() == run_mode::busy_poll;
@@ -1237,40 +1274,118 @@ class connection {
     ++stats_.direct_reads;
     // MSG_WAITALL: io_uring retries short stream reads itself, one CQE for the
     // whole rest; on cancellation or end of stream the CQE carries the bytes
-    // already placed (io_uring/net.c, done_io). When spinning, submit_read
-    // makes it an attempt for whatever has arrived; pump() asks for the rest.
+    // already placed (io_uring/net.c, done_io). A spinning read takes
+    // whatever has arrived; pump() asks for the rest.
     submit_read(target_.dst + target_.done, target_.want - target_.done, MSG_WAITALL, true, false);
   }
 
+  /// Starts the one read of the reader: `n` bytes into `dst`. `flags` and
+  /// `poll_first` say how an io_uring read waits for data; `direct`: `dst` is
+  /// a user's or registered buffer.
   void submit_read(std::byte* dst, std::size_t n, int flags, bool direct, bool poll_first) noexcept {
-    if (spinning()) {
-      // A non-blocking attempt instead of the read's own way of waiting
-      // (MSG_WAITALL, POLL_FIRST): with MSG_DONTWAIT io_uring completes it
-      // with -EAGAIN instead of arming its poll (REQ_F_NOWAIT), and
-      // read_done issues the next one.
-      flags = MSG_DONTWAIT;
-      poll_first = false;
-      ++stats_.spin_reads;
+    // One SQE's length is 32 bits; a longer payload takes several reads.
+    n = std::min<std::size_t>(n, std::size_t{1} << 30);
+    rd_ = {dst, n, flags, poll_first};
+    last_ask_ = n;
+    read_inflight_ = true;
+    read_direct_ = direct;
+    ++stats_.reads;
+    if (spinning() && start_spin()) return;
+    // Inside an event handler, a staging read waits for the handler's end
+    // (leave): the coroutines it resumes queue their sends first, and the
+    // kernel runs SQEs in order. A reply then leaves before this side's
+    // poll is armed, not after. Nothing can observe the gap: read_inflight_
+    // already holds the reader, and the buffer it reads into is the
+    // connection's own. A direct read targets a user's buffer and is issued
+    // at once (a cancellation may need to reach it).
+    if (busy_ > 0 && !direct) {
+      read_deferred_ = true;
+      return;
     }
+    issue_read();
+  }
+
+  /// Hands the pending read to io_uring.
+  void issue_read() noexcept {
+    read_deferred_ = false;
     io_uring_sqe* sqe = sched_->get_sqe();
     if (sqe == nullptr) {
       // The SQ is full even after submitting (unreachable with sane ring
       // sizes): fail rather than stall silently.
-      if (target_.op != nullptr) target_.op->direct_target_ = false;
+      read_inflight_ = false;
+      if (read_direct_ && target_.op != nullptr) target_.op->direct_target_ = false;
       fail(errno_code(EBUSY));
       return;
     }
-    io_uring_prep_recv(sqe, fd(), dst, n, flags);
+    io_uring_prep_recv(sqe, fd(), rd_.dst, rd_.n, rd_.flags);
     // The last read emptied the socket (it returned less than asked): the
     // next one would fail its first, non-blocking attempt. POLL_FIRST arms
     // the wait at once (io_uring.h, IORING_RECVSEND_POLL_FIRST, since 5.19).
-    if (poll_first) sqe->ioprio |= IORING_RECVSEND_POLL_FIRST;
-    last_ask_ = n;
+    if (rd_.poll_first) sqe->ioprio |= IORING_RECVSEND_POLL_FIRST;
     io_uring_sqe_set_data(sqe, static_cast<operation*>(&read_op_));
     sched_->note_submitted();
-    read_inflight_ = true;
-    read_direct_ = direct;
-    ++stats_.reads;
+  }
+
+  // ---------------------------------------------------------------- spinning reads
+  //
+  // In busy-poll mode the pending read is not handed to io_uring: the loop
+  // polls the socket with a non-blocking recv() each iteration, as a
+  // spinning socket program does (the connection is one of the scheduler's
+  // pollers while it lives). An io_uring read would either wait on the
+  // kernel's poll (wake-up, task work, then the CQE) or, as an MSG_DONTWAIT
+  // attempt, cost an SQE, a submission and a CQE per attempt: about 0.9 us
+  // against 0.37 us for the recv() call (benchmarks/RESULTS.md). Between
+  // attempts the kernel holds no reference to the buffer, so nothing
+  // changes for cancellation except that it is noticed by the next poll.
+
+  struct spin_poller final : poller {
+    connection* self = nullptr;
+    poll_status poll() noexcept override { return self->poll_spin(); }
+    const char* name() const noexcept override { return "tcp-spin-read"; }
+  };
+
+  /// Makes the pending read a spinning one. False: the poller could not be
+  /// registered (no memory); the read goes to io_uring instead.
+  bool start_spin() noexcept {
+    if (!spin_registered_) {
+      try {
+        sched_->add_poller(spin_);
+      } catch (...) {
+        return false;
+      }
+      spin_registered_ = true;
+    }
+    spin_pending_ = true;
+    sched_->note_submitted();  // outstanding like an SQE's read: drain() waits for it
+    return true;
+  }
+
+  /// One attempt of the pending spinning read (the loop's poll).
+  poll_status poll_spin() noexcept {
+    if (!spin_pending_) return {};
+    int res = -ECANCELED;
+    if (!spin_cancel_) {
+      if (!spinning()) {
+        // The loop left busy-poll mode: wait through io_uring instead.
+        spin_pending_ = false;
+        sched_->note_done();
+        enter();
+        issue_read();
+        leave();  // may free this
+        return {.did_work = true};
+      }
+      ssize_t r = ::recv(fd(), rd_.dst, rd_.n, MSG_DONTWAIT);
+      ++stats_.spin_reads;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return {};
+      res = r < 0 ? -errno : static_cast<int>(r);
+    }
+    spin_pending_ = false;
+    spin_cancel_ = false;
+    sched_->note_done();
+    enter();
+    read_done(res);
+    leave();  // may free this
+    return {.did_work = true};
   }
 
   static void on_read(operation* o, int res, std::uint32_t) noexcept {
@@ -1343,11 +1458,23 @@ class connection {
   int zc_result_ = 0;
   msghdr msg_{};
   iovec iov_[2 * max_batch]{};
+  std::byte small_buf_[small_write];  // a small batch, copied (start_write)
 
   // reader
   conn_op read_op_{};
   bool read_inflight_ = false;
   bool read_direct_ = false;
+  bool read_deferred_ = false;  // decided, not yet in the SQ (submit_read)
+  struct read_request {
+    std::byte* dst;
+    std::size_t n;
+    int flags;
+    bool poll_first;
+  } rd_{};
+  spin_poller spin_{};
+  bool spin_registered_ = false;  // spin_ is one of the scheduler's pollers
+  bool spin_pending_ = false;     // the read in flight is a spinning one
+  bool spin_cancel_ = false;      // ... and is to end with -ECANCELED
   rx_wait wait_ = rx_wait::none;
   std::unique_ptr<std::byte[]> rx_buf_;
   std::size_t rx_cap_ = 0;

@@ -99,6 +99,48 @@ TEST_CASE("a cancelled recv completes with cancelled and a normal recv after it 
   }
 }
 
+TEST_CASE("a read pending when the loop changes run mode carries on in the new mode") {
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
+  raw_peer p;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    co_await make_raw_peer(sched, p);
+    for (int round = 0; round < 4; ++round) {
+      CAPTURE(round);
+      const gdr::run_mode next = round % 2 == 0 ? gdr::run_mode::sleep : gdr::run_mode::busy_poll;
+      std::array<int, 2> in{}, out{round, -round};
+      auto r = p.ep.recv(gdr::host_view(in), {5s});
+      auto spun = p.ep.stats().spin_reads;
+      co_await gdr::sleep_for(2ms);  // pending meanwhile: spinning in busy_poll, armed in sleep
+      if (sched.mode() == gdr::run_mode::busy_poll) CHECK(p.ep.stats().spin_reads > spun);
+      // busy_poll -> sleep: the spinning read must move to io_uring, or the
+      // sleeping loop would not look at the socket again before the timeout.
+      sched.set_mode(next);
+      // The message arrives while this loop has nothing else to do.
+      gdr::tcp::frame_header h;
+      h.type = gdr::tcp::frame_type::data;
+      h.seq = p.seq++;
+      h.length = sizeof out;
+      auto frame = tcp_test::frame_bytes(h);
+      frame.insert(frame.end(), reinterpret_cast<const std::byte*>(out.data()),
+                   reinterpret_cast<const std::byte*>(out.data()) + sizeof out);
+      std::thread late([&] {
+        std::this_thread::sleep_for(50ms);
+        (void)tcp_test::raw_write(p.fd, frame.data(), frame.size());
+      });
+      auto t0 = std::chrono::steady_clock::now();
+      auto got = co_await std::move(r).as_result();
+      late.join();
+      REQUIRE(got.has_value());
+      CHECK(*got == sizeof in);
+      CHECK(in == out);
+      CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+    }
+    co_await p.ep.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
 TEST_CASE("a recv with a timeout completes with timed_out and the endpoint stays usable") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
@@ -124,42 +166,47 @@ TEST_CASE("a recv with a timeout completes with timed_out and the endpoint stays
   CHECK(sched.inflight() == 0);  // both timers are gone
 }
 
-TEST_CASE("a recv cancelled while its message arrives drops that message and the stream stays in step") {
-  tcp_test::watchdog wd(30);
-  gdr::scheduler sched;
-  raw_peer p;
-  gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    co_await make_raw_peer(sched, p);
-    constexpr std::size_t len = 1 << 20;
-    std::vector<std::byte> payload(len, std::byte{0x5A});
-    std::vector<std::byte> in(len);
-    std::stop_source src;
-    int done = 0;
-    gdr::result<std::size_t> r = gdr::errc::busy;
-    tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = p.ep.recv(gdr::host_view(in), {src.get_token()});
-      r = co_await std::move(op).as_result();
-    }, done);
-    // Half the message: the rest is then read straight into `in`, and waits.
-    p.write_data_header(len);
-    REQUIRE(tcp_test::raw_write(p.fd, payload.data(), len / 2));
-    co_await gdr::sleep_for(20ms);
-    CHECK(done == 0);
-    CHECK(p.ep.stats().direct_reads >= 1);
-    src.request_stop();
-    while (done < 1) co_await gdr::nop();
-    CHECK(r.error() == gdr::errc::cancelled);
-    // The rest of that message, then the next one.
-    REQUIRE(tcp_test::raw_write(p.fd, payload.data() + len / 2, len - len / 2));
-    p.write_data_header(4);
-    REQUIRE(tcp_test::raw_write(p.fd, "next", 4));
-    std::array<char, 4> next{};
-    CHECK(co_await p.ep.recv(gdr::host_view(next)) == 4);
-    CHECK(std::string(next.data(), 4) == "next");
-    CHECK(p.ep.is_open());
-    co_await p.ep.close();
-  }());
-  CHECK(sched.inflight() == 0);
+TEST_CASE("a recv cancelled while its message arrives drops that message and the stream stays in step, in both run modes") {
+  tcp_test::watchdog wd(60);
+  // sleep: the cancellation reaches an io_uring read writing into `in`;
+  // busy_poll: a spinning read, which the next poll ends.
+  for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+    CAPTURE(static_cast<int>(mode));
+    gdr::scheduler sched({.mode = mode});
+    raw_peer p;
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      co_await make_raw_peer(sched, p);
+      constexpr std::size_t len = 1 << 20;
+      std::vector<std::byte> payload(len, std::byte{0x5A});
+      std::vector<std::byte> in(len);
+      std::stop_source src;
+      int done = 0;
+      gdr::result<std::size_t> r = gdr::errc::busy;
+      tcp_test::spawn([&]() -> gdr::task<> {
+        auto op = p.ep.recv(gdr::host_view(in), {src.get_token()});
+        r = co_await std::move(op).as_result();
+      }, done);
+      // Half the message: the rest is then read straight into `in`, and waits.
+      p.write_data_header(len);
+      REQUIRE(tcp_test::raw_write(p.fd, payload.data(), len / 2));
+      co_await gdr::sleep_for(20ms);
+      CHECK(done == 0);
+      CHECK(p.ep.stats().direct_reads >= 1);
+      src.request_stop();
+      while (done < 1) co_await gdr::nop();
+      CHECK(r.error() == gdr::errc::cancelled);
+      // The rest of that message, then the next one.
+      REQUIRE(tcp_test::raw_write(p.fd, payload.data() + len / 2, len - len / 2));
+      p.write_data_header(4);
+      REQUIRE(tcp_test::raw_write(p.fd, "next", 4));
+      std::array<char, 4> next{};
+      CHECK(co_await p.ep.recv(gdr::host_view(next)) == 4);
+      CHECK(std::string(next.data(), 4) == "next");
+      CHECK(p.ep.is_open());
+      co_await p.ep.close();
+    }());
+    CHECK(sched.inflight() == 0);
+  }
 }
 
 TEST_CASE("a send waiting behind a large one is withdrawn by its timeout and never reaches the peer") {
@@ -287,27 +334,32 @@ TEST_CASE("close with a timeout aborts when the peer does not read") {
   CHECK(sched.inflight() == 0);
 }
 
-TEST_CASE("destroying an endpoint with operations pending fails them with closed") {
+TEST_CASE("destroying an endpoint with operations pending fails them with closed, in both run modes") {
   tcp_test::watchdog wd(30);
-  gdr::scheduler sched;
-  gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched);
-    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
-    auto& b = ab_pair.second;
-    int done = 0;
-    std::array<int, 1> in{};
-    gdr::result<std::size_t> r = gdr::errc::busy;
-    {
-      tcp::endpoint doomed = std::move(b);
-      tcp_test::spawn([&]() -> gdr::task<> { r = co_await doomed.recv(gdr::host_view(in)).as_result(); }, done);
-    }  // aborted here
-    while (done < 1) co_await gdr::nop();
-    CHECK(r.error() == gdr::errc::closed);
-    CHECK((co_await a.recv(gdr::host_view(in)).as_result()).error() == gdr::errc::connection_lost);
-    co_await a.close();
-  }());
-  sched.drain();
-  CHECK(sched.inflight() == 0);
+  for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+    CAPTURE(static_cast<int>(mode));
+    gdr::scheduler sched({.mode = mode});
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto ab_pair = co_await connected_pair(sched);
+      auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+      auto& b = ab_pair.second;
+      int done = 0;
+      std::array<int, 1> in{};
+      gdr::result<std::size_t> r = gdr::errc::busy;
+      {
+        tcp::endpoint doomed = std::move(b);
+        tcp_test::spawn([&]() -> gdr::task<> { r = co_await doomed.recv(gdr::host_view(in)).as_result(); }, done);
+      }  // aborted here
+      while (done < 1) co_await gdr::nop();
+      CHECK(r.error() == gdr::errc::closed);
+      CHECK((co_await a.recv(gdr::host_view(in)).as_result()).error() == gdr::errc::connection_lost);
+      co_await a.close();
+    }());
+    // The aborted connection frees itself once its read has ended (in
+    // busy_poll, a spinning read counted as in flight until then).
+    sched.drain();
+    CHECK(sched.inflight() == 0);
+  }
 }
 
 TEST_CASE("accept honours its timeout and stop token, and a closed listener wakes its accepts") {

@@ -88,8 +88,8 @@ TEST_CASE("a message sent before its receive is posted is kept and delivered") {
 
 TEST_CASE("message boundaries are kept, in order, whatever the sizes, in both run modes") {
   tcp_test::watchdog wd(60);
-  // sleep: reads wait on io_uring's poll; busy_poll: non-blocking read
-  // attempts re-issued every loop iteration (endpoint_options::spin_reads_in_busy_poll).
+  // sleep: reads wait on io_uring's poll; busy_poll: the loop polls the
+  // socket with recv(MSG_DONTWAIT) (endpoint_options::spin_reads_in_busy_poll).
   for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
     CAPTURE(static_cast<int>(mode));
     gdr::scheduler sched({.mode = mode});
