@@ -25,6 +25,16 @@ namespace perf::gdr_side {
 
 inline std::string addr(std::uint16_t port) { return "127.0.0.1:" + std::to_string(port); }
 
+inline void report(const char* who, const gdr::tcp::endpoint& ep) {
+  if (!diag()) return;
+  const gdr::tcp::endpoint_stats& s = ep.stats();
+  std::fprintf(stderr,
+               "gdr_perf diag: %s writes %llu (frames %llu), reads %llu (direct %llu), spin attempts %llu\n", who,
+               static_cast<unsigned long long>(s.writes), static_cast<unsigned long long>(s.frames_out),
+               static_cast<unsigned long long>(s.reads), static_cast<unsigned long long>(s.direct_reads),
+               static_cast<unsigned long long>(s.spin_reads));
+}
+
 inline sample run_pingpong(const config& cfg, gdr::run_mode mode, std::size_t size, std::size_t iters) {
   return run_pair_port(cfg, [&](std::uint16_t port, const std::function<void()>& ready) {
     gdr::scheduler sched({.mode = mode});
@@ -80,6 +90,7 @@ inline sample run_stream(const config& cfg, gdr::run_mode mode, std::size_t size
       co_await gdr::when_all(std::move(rs));
       std::byte ack{1};
       co_await ep.send(gdr::view<const std::byte, gdr::Host>(&ack, 1));
+      report("gdr receiver", ep);
       co_await ep.close();
     }());
   }, [&](std::uint16_t port) {
@@ -99,6 +110,7 @@ inline sample run_stream(const config& cfg, gdr::run_mode mode, std::size_t size
       co_await ep.recv(gdr::view<std::byte, gdr::Host>(&ack, 1));
       sample s;
       s.add(static_cast<double>(size * count) / (elapsed_us(t0) * 1e3));  // GB/s
+      report("gdr sender", ep);
       co_await ep.close();
       co_return s;
     }());

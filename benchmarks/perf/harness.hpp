@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -108,6 +109,13 @@ inline int connect_to(std::uint16_t port) {
   return fd;
 }
 
+/// GDR_PERF_DIAG set: each child reports its CPU time (and gdr's side its
+/// endpoint counters) on stderr, to see where a difference comes from.
+inline bool diag() {
+  static const bool on = std::getenv("GDR_PERF_DIAG") != nullptr;
+  return on;
+}
+
 /// Runs a child's body; an exception is reported and ends the child with status 4.
 template <class F>
 void guarded(const char* who, F&& body) {
@@ -116,6 +124,12 @@ void guarded(const char* who, F&& body) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gdr_perf: %s failed: %s\n", who, e.what());
     std::_Exit(4);
+  }
+  if (diag()) {
+    rusage ru{};
+    ::getrusage(RUSAGE_SELF, &ru);
+    auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+    std::fprintf(stderr, "gdr_perf diag: %s cpu user %.3f s, sys %.3f s\n", who, s(ru.ru_utime), s(ru.ru_stime));
   }
 }
 
@@ -196,7 +210,7 @@ inline sample run_pair(const config& cfg, const std::function<void(int)>& server
   if (srv < 0) die("fork");
   if (srv == 0) {
     pin(cfg.server_cpu);
-    guarded("server", [&] { server(lfd); });
+    guarded("raw server", [&] { server(lfd); });
     std::_Exit(0);
   }
   ::close(lfd);
@@ -207,7 +221,7 @@ inline sample run_pair(const config& cfg, const std::function<void(int)>& server
   if (cli == 0) {
     ::close(p[0]);
     pin(cfg.client_cpu);
-    guarded("client", [&] { send_sample(p[1], client(connect_to(port))); });
+    guarded("raw client", [&] { send_sample(p[1], client(connect_to(port))); });
     std::_Exit(0);
   }
   ::close(p[1]);
@@ -228,7 +242,7 @@ inline sample run_pair_port(const config& cfg, const std::function<void(std::uin
   if (srv == 0) {
     ::close(ready[0]);
     pin(cfg.server_cpu);
-    guarded("server", [&] { server(port, [&] {
+    guarded("gdr server", [&] { server(port, [&] {
       char c = 1;
       if (::write(ready[1], &c, 1) != 1) std::_Exit(3);
       ::close(ready[1]);
@@ -251,7 +265,7 @@ inline sample run_pair_port(const config& cfg, const std::function<void(std::uin
   if (cli == 0) {
     ::close(p[0]);
     pin(cfg.client_cpu);
-    guarded("client", [&] { send_sample(p[1], client(port)); });
+    guarded("gdr client", [&] { send_sample(p[1], client(port)); });
     std::_Exit(0);
   }
   ::close(p[1]);
