@@ -8,6 +8,8 @@
 // the working set stays the raw program's instead of `depth` times larger.
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
 #include <deque>
 #include <string>
 #include <vector>
@@ -70,8 +72,10 @@ inline sample run_pingpong(const config& cfg, gdr::run_mode mode, std::size_t si
 }
 
 inline sample run_stream(const config& cfg, gdr::run_mode mode, std::size_t size, std::size_t count) {
-  // Messages in flight: enough to cover a socket buffer's worth, at least 2.
-  const std::size_t depth = std::clamp<std::size_t>((4u << 20) / size, 2, 64);
+  // Messages in flight: enough to cover a socket buffer's worth, at least 2
+  // (GDR_PERF_DEPTH overrides, for experiments).
+  std::size_t depth = std::clamp<std::size_t>((4u << 20) / size, 2, 64);
+  if (const char* d = std::getenv("GDR_PERF_DEPTH"); d != nullptr && *d != 0) depth = std::max<std::size_t>(1, std::strtoul(d, nullptr, 10));
   return run_pair_port(cfg, [&](std::uint16_t port, const std::function<void()>& ready) {
     gdr::scheduler sched({.mode = mode});
     gdr::tcp::listener l(sched, addr(port));

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -119,6 +120,7 @@ inline bool diag() {
 /// Runs a child's body; an exception is reported and ends the child with status 4.
 template <class F>
 void guarded(const char* who, F&& body) {
+  ::prctl(PR_SET_NAME, who);  // "gdr server", "raw client"...: tells the processes apart in a profile
   try {
     body();
   } catch (const std::exception& e) {
