@@ -154,14 +154,23 @@ struct endpoint_options {
   /// Writes, and reads in `run_mode::sleep`, always go through io_uring.
   /// false: reads always go through io_uring.
   bool spin_reads_in_busy_poll = true;
+  /// While the scheduler is in `run_mode::busy_poll`, write the way a
+  /// spinning socket program does: the frames queued during one event
+  /// handler go out at its end as one non-blocking `sendmsg` (or `send`)
+  /// system call made by the loop, instead of an io_uring write (an SQE, a
+  /// submission and a CQE to process: about 0.2-0.5 us more per write,
+  /// benchmarks/RESULTS.md). What the socket cannot take at once goes to
+  /// io_uring, which waits for room. false: writes always go through io_uring.
+  bool direct_writes_in_busy_poll = true;
   /// Socket settings (keepalive, TCP_USER_TIMEOUT, ...).
   socket_options socket{};
 };
 
 /// Counters of one endpoint, updated as its operations complete.
 struct endpoint_stats : transfer_stats {
-  std::uint64_t writes = 0;            ///< sendmsg submissions (batches of frames)
+  std::uint64_t writes = 0;            ///< writes of a batch of frames (io_uring or direct)
   std::uint64_t zero_copy_writes = 0;  ///< of which SENDMSG_ZC
+  std::uint64_t direct_writes = 0;     ///< of which non-blocking system calls by the loop (busy_poll)
   std::uint64_t reads = 0;             ///< reads started (staging and direct; io_uring or spinning)
   std::uint64_t direct_reads = 0;      ///< of which straight into a user or registered buffer
   std::uint64_t spin_reads = 0;        ///< non-blocking recv() attempts by the loop (busy_poll, see endpoint_options)
@@ -560,6 +569,7 @@ class connection {
   // connection; nothing is resumed from inside a user's call.
   void enter() noexcept { ++busy_; }
   void leave() noexcept {
+    bool wrote = false;
     for (;;) {
       while (endpoint_op* op = ready_head_) {
         ready_head_ = op->ready_next_;
@@ -567,11 +577,29 @@ class connection {
         --attached_;
         op->waiter_.resume();  // may start ops, or destroy the endpoint
       }
+      if (busy_ != 1) break;
+      // Frames the resumed coroutines queued go out now (direct writes),
+      // once per handler: sends that complete resume senders that queue
+      // more, and the rest of the loop must get its turn (what is queued
+      // after that goes to io_uring, below).
+      if (write_deferred_ && !wrote) {
+        write_deferred_ = false;
+        wrote = true;
+        start_write(true);
+        continue;
+      }
       // A staging read decided during the handler goes into the SQ behind
       // whatever the resumed coroutines queued (see submit_read). Issuing
       // it can fail the connection, which completes more operations.
-      if (!read_deferred_ || busy_ != 1) break;
-      issue_read();
+      if (read_deferred_) {
+        issue_read();
+        continue;
+      }
+      break;
+    }
+    if (busy_ == 1 && write_deferred_) {
+      write_deferred_ = false;
+      start_write(false);
     }
     if (--busy_ == 0 && abandoned_ && deletable()) delete this;
   }
@@ -836,7 +864,15 @@ class connection {
   void enqueue(tx_item& it) noexcept {
     it.queued = true;
     tx_.push_back(&it);
-    start_write();
+    if (direct_writes() && busy_ > 0) {
+      // Queued inside an event handler: written by a system call at its
+      // end (leave), with whatever else its coroutines queue. Queued
+      // outside one (from the caller's co_await), it goes to io_uring: an
+      // operation must not complete before it has suspended.
+      write_deferred_ = true;
+      return;
+    }
+    start_write(false);
   }
 
   void seal(tx_item& it) noexcept {
@@ -845,13 +881,16 @@ class connection {
     it.sealed = true;
   }
 
-  void start_write() noexcept {
-    if (write_inflight_ || error_ || tx_.empty()) return;
-    io_uring_sqe* sqe = sched_->get_sqe();
-    if (sqe == nullptr) {
-      kick();  // the SQ is full even after submitting: try again from the loop
-      return;
-    }
+  /// Writes go out as non-blocking system calls made by the loop
+  /// (endpoint_options::direct_writes_in_busy_poll).
+  bool direct_writes() const noexcept {
+    return opts_.direct_writes_in_busy_poll && sched_->mode() == run_mode::busy_poll;
+  }
+
+  /// Gathers the next batch from the head of the queue into iov_/msg_
+  /// (sealing its frames and marking them in flight); a small batch is also
+  /// copied into small_buf_. Returns its bytes.
+  std::size_t gather() noexcept {
     std::size_t iovn = 0;
     std::size_t payload = 0;
     std::size_t n = 0;
@@ -875,12 +914,11 @@ class connection {
     }
     batch_n_ = n;
     msg_.msg_iovlen = iovn;
-    // MSG_NOSIGNAL: a write to a reset connection must report EPIPE, not
-    // raise SIGPIPE (which kills the process by default).
     zc_write_ = opts_.zero_copy_send_threshold != 0 && payload >= opts_.zero_copy_send_threshold;
     std::size_t bytes = 0;
     for (std::size_t i = 0; i < iovn; ++i) bytes += iov_[i].iov_len;
-    if (bytes <= small_write && !zc_write_) {
+    small_ = bytes <= small_write && !zc_write_;
+    if (small_) {
       // A small batch is copied into one buffer and sent with a plain send:
       // the kernel then skips copying in a msghdr and importing an iovec
       // array, which costs more than copying these few bytes here.
@@ -889,17 +927,55 @@ class connection {
         std::memcpy(small_buf_ + off, iov_[i].iov_base, iov_[i].iov_len);
         off += iov_[i].iov_len;
       }
-      io_uring_prep_send(sqe, fd(), small_buf_, bytes, MSG_NOSIGNAL);
-    } else if (zc_write_) {
-      io_uring_prep_sendmsg_zc(sqe, fd(), &msg_, MSG_NOSIGNAL);
-      ++stats_.zero_copy_writes;
-    } else {
-      io_uring_prep_sendmsg(sqe, fd(), &msg_, MSG_NOSIGNAL);
     }
-    io_uring_sqe_set_data(sqe, static_cast<operation*>(&write_op_));
-    sched_->note_submitted();
-    write_inflight_ = true;
-    ++stats_.writes;
+    return bytes;
+  }
+
+  /// Writes what is queued, while no write is in flight: with non-blocking
+  /// system calls while they take everything (`direct`: inside an event
+  /// handler, in busy-poll mode), else, or for what the socket could not
+  /// take, one io_uring write.
+  void start_write(bool direct) noexcept {
+    while (!write_inflight_ && !error_ && !tx_.empty()) {
+      if (direct && direct_writes() && !write_blocked_) {
+        std::size_t bytes = gather();
+        if (!zc_write_) {
+          // MSG_NOSIGNAL: a write to a reset connection must report EPIPE,
+          // not raise SIGPIPE (which kills the process by default).
+          ssize_t r = small_ ? ::send(fd(), small_buf_, bytes, MSG_NOSIGNAL | MSG_DONTWAIT)
+                             : ::sendmsg(fd(), &msg_, MSG_NOSIGNAL | MSG_DONTWAIT);
+          ++stats_.writes;
+          ++stats_.direct_writes;
+          // Short (the socket buffer is full): the rest waits for room in
+          // io_uring, and the next direct write only after that.
+          write_blocked_ = r < 0 || static_cast<std::size_t>(r) != bytes;
+          if (!batch_done(r < 0 ? -errno : r)) return;
+          continue;
+        }
+        // Zero-copy sends need io_uring's notification: undo and go there.
+        batch_done(0);
+        if (error_) return;
+      }
+      io_uring_sqe* sqe = sched_->get_sqe();
+      if (sqe == nullptr) {
+        kick();  // the SQ is full even after submitting: try again from the loop
+        return;
+      }
+      std::size_t bytes = gather();
+      if (small_) {
+        io_uring_prep_send(sqe, fd(), small_buf_, bytes, MSG_NOSIGNAL);
+      } else if (zc_write_) {
+        io_uring_prep_sendmsg_zc(sqe, fd(), &msg_, MSG_NOSIGNAL);
+        ++stats_.zero_copy_writes;
+      } else {
+        io_uring_prep_sendmsg(sqe, fd(), &msg_, MSG_NOSIGNAL);
+      }
+      io_uring_sqe_set_data(sqe, static_cast<operation*>(&write_op_));
+      sched_->note_submitted();
+      write_inflight_ = true;
+      ++stats_.writes;
+      return;
+    }
   }
 
   static void on_write(operation* o, int res, std::uint32_t flags) noexcept {
@@ -918,6 +994,14 @@ class connection {
 
   void write_done(int res) noexcept {
     write_inflight_ = false;
+    write_blocked_ = false;
+    if (batch_done(res)) start_write(true);
+  }
+
+  /// Accounts for the write of the current batch (`res`: bytes taken, or
+  /// -errno): frames entirely out complete, frames untouched are unsealed.
+  /// False: the connection failed.
+  bool batch_done(ssize_t res) noexcept {
     std::size_t left = res > 0 ? static_cast<std::size_t>(res) : 0;
     std::size_t n = std::exchange(batch_n_, 0);
     // The batch is the first n frames of the queue; none can have left it
@@ -937,14 +1021,14 @@ class connection {
       }
       it = next;
     }
-    if (res < 0 && res != -EINTR && res != -EAGAIN) fail(connection_error(res));
+    if (res < 0 && res != -EINTR && res != -EAGAIN) fail(connection_error(static_cast<int>(res)));
     if (error_) {
       while (tx_item* rest = tx_.head) drop_item(*rest);
       if (close_op_ != nullptr) try_finish(*close_op_);
-      return;
+      return false;
     }
     unseal_untouched();
-    start_write();
+    return true;
   }
 
   /// After a short write: the sealed frames the kernel took no byte of are
@@ -1040,7 +1124,7 @@ class connection {
         c->wait_ = rx_wait::none;
         c->pump();
       }
-      c->start_write();  // after an SQ-full retry
+      c->start_write(true);  // after an SQ-full retry
     }
     c->leave();
   }
@@ -1458,6 +1542,9 @@ class connection {
   conn_op write_op_{};
   bool write_inflight_ = false;
   bool zc_write_ = false;
+  bool small_ = false;           // the current batch is copied into small_buf_
+  bool write_blocked_ = false;   // a direct write came back short: next write through io_uring
+  bool write_deferred_ = false;  // frames queued in a handler, written at its end (leave)
   int zc_result_ = 0;
   msghdr msg_{};
   iovec iov_[2 * max_batch]{};

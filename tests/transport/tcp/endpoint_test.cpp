@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
@@ -130,12 +131,98 @@ TEST_CASE("message boundaries are kept, in order, whatever the sizes, in both ru
         CHECK(b.stats().spin_reads > 0);
       } else {
         CHECK(b.stats().spin_reads == 0);
+        CHECK(a.stats().direct_writes == 0);
       }
       co_await a.close();
       co_await b.close();
     }());
     CHECK(sched.inflight() == 0);
   }
+}
+
+TEST_CASE("in busy_poll, replies sent from a completion go out as direct writes; in sleep, through io_uring") {
+  tcp_test::watchdog wd(30);
+  for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+    CAPTURE(static_cast<int>(mode));
+    gdr::scheduler sched({.mode = mode});
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto ab_pair = co_await connected_pair(sched);
+      auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+      auto& b = ab_pair.second;
+      constexpr int rounds = 100;
+      int done = 0;
+      // b echoes: each reply is queued by a coroutine resumed by b's read.
+      tcp_test::spawn([&]() -> gdr::task<> {
+        std::vector<std::byte> buf(4096);
+        for (int i = 0; i < rounds; ++i) {
+          std::size_t n = co_await b.recv(gdr::host_view(buf));
+          co_await b.send(gdr::view<const std::byte, gdr::Host>(buf.data(), n));
+        }
+      }, done);
+      for (int i = 0; i < rounds; ++i) {
+        std::size_t size = 1 + static_cast<std::size_t>(i) * 37;  // small and copied, up to 3.6 KiB
+        auto out = pattern(size, static_cast<unsigned>(i));
+        std::vector<std::byte> in(size);
+        co_await a.send(gdr::host_view(out));
+        CHECK(co_await a.recv(gdr::host_view(in)) == size);
+        CHECK(in == out);
+      }
+      while (done < 1) co_await gdr::nop();
+      CHECK(b.stats().sends == rounds);
+      if (mode == gdr::run_mode::busy_poll) {
+        CHECK(b.stats().direct_writes >= rounds / 2);
+      } else {
+        CHECK(b.stats().direct_writes == 0);
+        CHECK(a.stats().direct_writes == 0);
+      }
+      co_await a.close();
+      co_await b.close();
+    }());
+    CHECK(sched.inflight() == 0);
+  }
+}
+
+TEST_CASE("in busy_poll, senders that never wait do not starve the rest of the loop") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto ab_pair = co_await connected_pair(sched);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
+    bool stop = false;
+    int done = 0;
+    std::uint64_t sent = 0, received = 0;
+    // Eight senders and eight receivers of small messages: every completion
+    // resumes a coroutine that queues the next operation at once.
+    for (int k = 0; k < 8; ++k) {
+      tcp_test::spawn([&]() -> gdr::task<> {
+        std::array<std::byte, 64> m{};
+        while (!stop) {
+          co_await a.send(gdr::host_view(m));
+          ++sent;
+        }
+      }, done);
+    }
+    std::array<std::byte, 64> sink{};
+    int receivers_done = 0;
+    for (int k = 0; k < 8; ++k) {
+      tcp_test::spawn([&]() -> gdr::task<> {
+        // Until a's close: then the pending receives fail.
+        while ((co_await b.recv(gdr::host_view(sink)).as_result()).has_value()) ++received;
+      }, receivers_done);
+    }
+    // The timer must still fire, and on time.
+    auto t0 = std::chrono::steady_clock::now();
+    co_await gdr::sleep_for(std::chrono::milliseconds(20));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2));
+    stop = true;
+    while (done < 8) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    co_await a.close();  // after everything sent: b receives it all, then the close
+    while (receivers_done < 8) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    CHECK(sent > 100);
+    CHECK(received == sent);
+    co_await b.close();
+  }());
 }
 
 TEST_CASE("busy_poll without spinning reads waits on io_uring's poll, and still delivers") {
