@@ -13,13 +13,17 @@
 /// Writer. Operations that put bytes on the wire (send, put, get, close, and
 /// the replies this side owes its peer) queue a frame (`tx_item`: header and
 /// a pointer to the payload) in one FIFO. While no write is in flight, the
-/// writer gathers up to `max_batch` frames from the head of the queue into
-/// one iovec array, [header, payload, header, payload, ...], and submits one
+/// writer gathers up to `max_batch` frames (and `batch_bytes` of payload)
+/// from the head of the queue into one iovec array, [header, payload,
+/// header, payload, ...], and submits one
 /// `IORING_OP_SENDMSG`: the kernel copies the payloads straight from the
 /// users' buffers (no copy in user space, at any size), and many coroutines'
 /// small messages share one system call. A batch of at most `small_write`
 /// bytes is instead copied into one buffer and sent with `IORING_OP_SEND`,
-/// which costs the kernel less. A frame is *sealed* (numbered and
+/// which costs the kernel less. In busy-poll mode, the frames queued during
+/// an event handler are written at its end by a non-blocking system call
+/// instead (`endpoint_options::direct_writes_in_busy_poll`); what the socket
+/// cannot take goes to io_uring. A frame is *sealed* (numbered and
 /// committed) when it joins a batch; it can no longer be withdrawn, because
 /// the frames after it carry the next sequence numbers. A short write (the
 /// socket buffer filled) leaves the rest sealed at the head of the queue for
@@ -151,8 +155,8 @@ struct endpoint_options {
   /// instead of handing the read to io_uring, where it would wait on the
   /// kernel's poll (wake-up, task work, then the CQE). Lower latency when
   /// data arrives; one system call per idle endpoint per loop iteration.
-  /// Writes, and reads in `run_mode::sleep`, always go through io_uring.
-  /// false: reads always go through io_uring.
+  /// Reads in `run_mode::sleep` always go through io_uring. false: reads
+  /// always go through io_uring.
   bool spin_reads_in_busy_poll = true;
   /// While the scheduler is in `run_mode::busy_poll`, write the way a
   /// spinning socket program does: the frames queued during one event

@@ -1,8 +1,11 @@
 /// \file
 /// `gdr::tcp::endpoint`: one TCP connection to a peer, driven by the
-/// scheduler's io_uring. Two-sided messages (`send`/`recv`), one-sided
-/// access to the peer's registered memory (`put`/`get`), orderly `close`.
-/// Same API as `gdr::loopback::endpoint`.
+/// scheduler's io_uring (in busy-poll mode, ready data moves with
+/// non-blocking system calls made by the loop: `endpoint_options`,
+/// `spin_reads_in_busy_poll` and `direct_writes_in_busy_poll`). Two-sided
+/// messages (`send`/`recv`), one-sided access to the peer's registered
+/// memory (`put`/`get`), orderly `close`. Same API as
+/// `gdr::loopback::endpoint`.
 ///
 /// \code
 ///   gdr::scheduler sched;
