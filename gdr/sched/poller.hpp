@@ -1,6 +1,7 @@
 /// \file
 /// Completion sources besides the scheduler's own io_uring: CUDA event FIFOs,
-/// RDMA completion queues. The scheduler polls each once per loop iteration.
+/// RDMA completion queues, TCP sockets read by busy-polling endpoints. The
+/// scheduler polls each once per loop iteration.
 #pragma once
 
 #include <chrono>

@@ -18,8 +18,9 @@
 ///      an `operation`, whose `complete` function pointer resumes its coroutine;
 ///   3. the remote queue: a lock-free intrusive stack of `remote_work` nodes
 ///      pushed by other threads, drained (in posting order) once per iteration.
-/// Other completion sources (CUDA events, RDMA CQs) are `poller`s, polled once
-/// per iteration after the CQ.
+/// Other completion sources (CUDA events, RDMA CQs, the sockets of TCP
+/// endpoints while the loop busy-polls) are `poller`s, polled once per
+/// iteration after the CQ.
 ///
 /// One iteration (`run_once`): drain the remote queue; reap every available
 /// CQE (copied out, CQ advanced, then dispatched, so a completion handler may
