@@ -941,31 +941,29 @@ class connection {
   /// take, one io_uring write.
   void start_write(bool direct) noexcept {
     while (!write_inflight_ && !error_ && !tx_.empty()) {
-      if (direct && direct_writes() && !write_blocked_) {
-        std::size_t bytes = gather();
-        if (!zc_write_) {
-          // MSG_NOSIGNAL: a write to a reset connection must report EPIPE,
-          // not raise SIGPIPE (which kills the process by default).
-          ssize_t r = small_ ? ::send(fd(), small_buf_, bytes, MSG_NOSIGNAL | MSG_DONTWAIT)
-                             : ::sendmsg(fd(), &msg_, MSG_NOSIGNAL | MSG_DONTWAIT);
-          ++stats_.writes;
-          ++stats_.direct_writes;
-          // Short (the socket buffer is full): the rest waits for room in
-          // io_uring, and the next direct write only after that.
-          write_blocked_ = r < 0 || static_cast<std::size_t>(r) != bytes;
-          if (!batch_done(r < 0 ? -errno : r)) return;
-          continue;
-        }
-        // Zero-copy sends need io_uring's notification: undo and go there.
-        batch_done(0);
-        if (error_) return;
+      std::size_t bytes = gather();
+      // Zero-copy sends need io_uring's notification: never direct.
+      if (direct && direct_writes() && !write_blocked_ && !zc_write_) {
+        // MSG_NOSIGNAL: a write to a reset connection must report EPIPE,
+        // not raise SIGPIPE (which kills the process by default).
+        ssize_t r = small_ ? ::send(fd(), small_buf_, bytes, MSG_NOSIGNAL | MSG_DONTWAIT)
+                           : ::sendmsg(fd(), &msg_, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ++stats_.writes;
+        ++stats_.direct_writes;
+        // Short (the socket buffer is full): the rest waits for room in
+        // io_uring, and the next direct write only after that.
+        write_blocked_ = r < 0 || static_cast<std::size_t>(r) != bytes;
+        if (!batch_done(r < 0 ? -errno : r)) return;
+        continue;
       }
       io_uring_sqe* sqe = sched_->get_sqe();
       if (sqe == nullptr) {
-        kick();  // the SQ is full even after submitting: try again from the loop
+        // The SQ is full even after submitting: take the batch back (nothing
+        // of it was written) and try again from the loop.
+        batch_done(0);
+        kick();
         return;
       }
-      std::size_t bytes = gather();
       if (small_) {
         io_uring_prep_send(sqe, fd(), small_buf_, bytes, MSG_NOSIGNAL);
       } else if (zc_write_) {
