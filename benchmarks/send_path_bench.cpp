@@ -16,10 +16,7 @@
 // the variants; medians of GB/s are printed with the ratio to sendmsg.
 //
 //   ./bazelw run -c opt //benchmarks:send_path_bench -- [size] [rounds] [cpu_rx,cpu_tx]
-#include <arpa/inet.h>
 #include <liburing.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -51,10 +48,7 @@ const char* name(kind k) {
   return "?";
 }
 
-[[noreturn]] void die(const char* what) {
-  std::perror(what);
-  std::_Exit(1);
-}
+using bench::die;
 
 // Writes `count` messages; returns GB/s, or a negative -errno if the kernel
 // refused the variant.
@@ -123,14 +117,8 @@ double sender(int fd, kind k, std::size_t size, std::size_t count) {
 // One measurement in two fresh processes; the sender's result comes back
 // through a pipe.
 double measure(kind k, std::size_t size, std::size_t count, int cpu_rx, int cpu_tx) {
-  int l = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(l, 1) != 0 ||
-      ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0)
-    die("listen");
+  std::uint16_t port = 0;
+  int l = bench::listen_loopback(port);
   pid_t rx = ::fork();
   if (rx == 0) {
     bench::pin_to_cpu(cpu_rx);
@@ -147,11 +135,7 @@ double measure(kind k, std::size_t size, std::size_t count, int cpu_rx, int cpu_
   pid_t tx = ::fork();
   if (tx == 0) {
     bench::pin_to_cpu(cpu_tx);
-    int c = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) die("connect");
-    int one = 1;
-    ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    double r = sender(c, k, size, count);
+    double r = sender(bench::connect_loopback(port), k, size, count);
     if (::write(pipefd[1], &r, sizeof r) != sizeof r) std::_Exit(2);
     std::_Exit(0);
   }

@@ -14,10 +14,7 @@
 // Rounds alternate the variants; medians are printed, with ratios.
 //
 //   ./bazelw run -c opt //benchmarks:socket_op_bench -- [rounds] [cpu]
-#include <arpa/inet.h>
 #include <liburing.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -32,29 +29,17 @@
 
 namespace {
 
-[[noreturn]] void die(const char* what) {
-  std::perror(what);
-  std::exit(1);
-}
+using bench::die;
 
 struct socket_pair {
   int client = -1;  // writes
   int server = -1;  // reads
   socket_pair() {
-    int l = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(l, 1) != 0 ||
-        ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0)
-      die("listen");
-    client = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(client, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) die("connect");
+    std::uint16_t port = 0;
+    int l = bench::listen_loopback(port);
+    client = bench::connect_loopback(port);
     server = ::accept(l, nullptr, nullptr);
     ::close(l);
-    int one = 1;
-    ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   }
   ~socket_pair() {
     ::close(client);

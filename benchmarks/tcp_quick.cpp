@@ -31,10 +31,7 @@ namespace {
 
 int cpu_a = 0, cpu_b = 1, reps = 7;
 
-[[noreturn]] void die(const char* what) {
-  std::perror(what);
-  std::exit(1);
-}
+using bench::die;
 
 void write_all(int fd, const void* p, std::size_t n) {
   auto* b = static_cast<const char*>(p);
@@ -59,13 +56,8 @@ void read_all(int fd, void* p, std::size_t n) {
 // Runs `server(listen_fd)` in a child pinned to cpu_b and `client(port)` here,
 // pinned to cpu_a; returns the client's result.
 double run_pair(const std::function<void(int)>& server, const std::function<double(std::uint16_t)>& client) {
-  int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(lfd, 4) != 0) die("listen");
-  socklen_t len = sizeof a;
-  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  std::uint16_t port = 0;
+  int lfd = bench::listen_loopback(port);
   pid_t pid = ::fork();
   if (pid == 0) {
     bench::pin_to_cpu(cpu_b);
@@ -74,28 +66,15 @@ double run_pair(const std::function<void(int)>& server, const std::function<doub
   }
   ::close(lfd);
   bench::pin_to_cpu(cpu_a);
-  double r = client(ntohs(a.sin_port));
+  double r = client(port);
   int st = 0;
   ::waitpid(pid, &st, 0);
   return r;
 }
 
-int raw_connect(std::uint16_t port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(port);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) die("connect");
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  return fd;
-}
-
 int raw_accept(int lfd) {
   int fd = ::accept(lfd, nullptr, nullptr);
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  bench::set_nodelay(fd);
   return fd;
 }
 
@@ -115,7 +94,7 @@ double raw_pingpong(std::size_t size) {
         ::close(fd);
       },
       [&](std::uint16_t port) {
-        int fd = raw_connect(port);
+        int fd = bench::connect_loopback(port);
         std::vector<char> b(size, 1);
         clk::time_point t0;
         for (int i = 0; i < pp_warmup + pp_iters; ++i) {
@@ -180,7 +159,7 @@ double raw_stream(std::size_t size, std::size_t total) {
         ::close(fd);
       },
       [&](std::uint16_t port) {
-        int fd = raw_connect(port);
+        int fd = bench::connect_loopback(port);
         std::vector<char> b(size, 1);
         auto t0 = clk::now();
         for (std::size_t i = 0; i < count; ++i) write_all(fd, b.data(), size);
