@@ -30,10 +30,12 @@ enum class errc : int {
   truncated,        ///< a message was larger than the receive buffer
   remote_access,    ///< one-sided access outside a registration, wrong key, or revoked
   busy,             ///< a resource (queue, ring) is full; try again later
+  message_too_large,  ///< larger than the peer accepts (its limit, from the handshake); nothing was sent
   // ---- the endpoint is broken; every pending operation fails ----
   connection_lost = 100,  ///< the peer went away (closed, reset, killed, timed out)
   protocol_error,         ///< the peer sent a malformed or hostile frame
   closed,                 ///< the endpoint was closed locally
+  peer_closed,            ///< the peer closed the connection in order (no crash)
   // ---- a device is missing or failed ----
   no_device = 200,        ///< no GPU (or no RDMA device) is usable
   device_error,           ///< the device reported a failure
@@ -58,9 +60,11 @@ class gdr_category_impl final : public std::error_category {
       case errc::remote_access:
         return "remote access denied: outside the registration, wrong key, or revoked";
       case errc::busy: return "resource busy";
+      case errc::message_too_large: return "message larger than the peer accepts";
       case errc::connection_lost: return "connection to the peer lost";
       case errc::protocol_error: return "protocol error: malformed frame from the peer";
       case errc::closed: return "endpoint closed";
+      case errc::peer_closed: return "the peer closed the connection";
       case errc::no_device: return "no usable device";
       case errc::device_error: return "device error";
       case errc::gpudirect_unavailable:

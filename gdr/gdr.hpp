@@ -38,6 +38,10 @@
 #include <gdr/memory/view.hpp>
 
 // Transports
+#include <gdr/protocol/endpoint.hpp>
+#include <gdr/protocol/engine.hpp>
+#include <gdr/protocol/message.hpp>
+#include <gdr/protocol/options.hpp>
 #include <gdr/transport/common.hpp>
 #include <gdr/transport/loopback.hpp>
 #include <gdr/transport/tcp.hpp>

@@ -96,6 +96,26 @@ class registration {
   std::uint64_t key_ = 0;
 };
 
+/// TEMPORARY (replaced by the registry's leases): an access being served.
+class access_lease {
+ public:
+  access_lease() noexcept = default;
+  explicit access_lease(std::byte* p, std::size_t n) noexcept : p_(p), n_(n) {}
+  access_lease(access_lease&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(o.n_) {}
+  access_lease& operator=(access_lease&& o) noexcept {
+    p_ = std::exchange(o.p_, nullptr);
+    n_ = o.n_;
+    return *this;
+  }
+  std::byte* data() const noexcept { return p_; }
+  std::size_t size() const noexcept { return n_; }
+  void release() noexcept { p_ = nullptr; }
+
+ private:
+  std::byte* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
 /// The table of this process's registrations, consulted on every remote
 /// access. Transports take one (by reference) at construction;
 /// `default_registry()` is the process-wide one.
@@ -139,6 +159,13 @@ class memory_registry {
     if (!allows(e.perm, a)) return errc::remote_access;
     if (!e.host_accessible) return errc::remote_access;
     return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr));
+  }
+
+  /// TEMPORARY: resolve as a lease.
+  result<access_lease> acquire(std::uint64_t addr, std::size_t len, std::uint64_t key, access a) noexcept {
+    result<std::byte*> r = resolve(addr, len, key, a);
+    if (!r) return r.error();
+    return access_lease(*r, len);
   }
 
   /// Live registrations.

@@ -1,33 +1,32 @@
 /// \file
-/// The engine behind `tcp::endpoint`: one connected socket, one reader and
-/// one writer driven by the scheduler's io_uring, and the operations waiting
-/// on them. Also the TCP transport's tag, traits row, options and counters.
+/// The TCP transport behind `tcp::endpoint`: one connected socket, one
+/// reader and one writer driven by the scheduler's io_uring. It moves the
+/// protocol layer's frames (`gdr/protocol/engine.hpp`, which it derives
+/// from) and nothing else: matching, rendezvous, cancellation and failure
+/// rules live there. Also the TCP transport's tag, options and counters.
 ///
 /// How it works
 /// ============
 /// A `connection` lives on the heap and belongs to one scheduler; everything
-/// below runs on that scheduler's thread. The endpoint owns it until it is
-/// destroyed; then the connection frees itself once the kernel has returned
-/// every buffer it lent it (its last CQE) and every operation has resumed.
+/// below runs on that scheduler's thread (the protocol engine's rules).
 ///
-/// Writer. Operations that put bytes on the wire (send, put, get, close, and
-/// the replies this side owes its peer) queue a frame (`tx_item`: header and
-/// a pointer to the payload) in one FIFO. While no write is in flight, the
-/// writer gathers up to `max_batch` frames (and `batch_bytes` of payload)
-/// from the head of the queue into one iovec array, [header, payload,
-/// header, payload, ...], and submits one
-/// `IORING_OP_SENDMSG`: the kernel copies the payloads straight from the
-/// users' buffers (no copy in user space, at any size), and many coroutines'
-/// small messages share one system call. A batch of at most `small_write`
-/// bytes is instead copied into one buffer and sent with `IORING_OP_SEND`,
-/// which costs the kernel less. In busy-poll mode, the frames queued during
-/// an event handler are written at its end by a non-blocking system call
-/// instead (`endpoint_options::direct_writes_in_busy_poll`); what the socket
-/// cannot take goes to io_uring. A frame is *sealed* (numbered and
-/// committed) when it joins a batch; it can no longer be withdrawn, because
-/// the frames after it carry the next sequence numbers. A short write (the
-/// socket buffer filled) leaves the rest sealed at the head of the queue for
-/// the next write. A send completes when its last byte is in the kernel.
+/// Writer. The engine posts frames (a header and a pointer to the payload)
+/// into one FIFO. While no write is in flight, the writer gathers up to
+/// `max_batch` frames (and `batch_bytes` of payload) from the head of the
+/// queue into one iovec array, [header, payload, header, payload, ...], and
+/// submits one `IORING_OP_SENDMSG`: the kernel copies the payloads straight
+/// from the users' buffers (no copy in user space, at any size), and many
+/// coroutines' small messages share one system call. A batch of at most
+/// `small_write` bytes is instead copied into one buffer and sent with
+/// `IORING_OP_SEND`, which costs the kernel less. In busy-poll mode, the
+/// frames posted during an event handler are written at its end by a
+/// non-blocking system call instead (`endpoint_options::direct_writes_in_busy_poll`);
+/// what the socket cannot take goes to io_uring. A frame is *sealed*
+/// (numbered, committed) when it joins a batch; it can no longer be
+/// withdrawn, because the frames after it carry the next sequence numbers. A
+/// short write leaves the rest sealed at the head of the queue; frames the
+/// kernel took no byte of are unsealed again. A frame is done (`on_sent`)
+/// when its last byte is in the kernel.
 ///
 /// Reader. One read is in flight at a time: an io_uring receive, or, while
 /// the scheduler busy-polls, a `recv(MSG_DONTWAIT)` the loop retries each
@@ -35,60 +34,34 @@
 /// inside an event handler enters the SQ after the sends that the handler's
 /// resumed coroutines queue, so a reply leaves first. Normally it reads up to
 /// `rx_buffer` bytes into the staging buffer, and the parser walks the frames
-/// found there. A data frame goes to the oldest posted `recv`: the part of
-/// its payload already staged is copied, the rest is read by the kernel
-/// straight into the receive view (`MSG_WAITALL`, no intermediate copy).
-/// After a large frame, the next read asks for one header only, so that the
-/// next large payload does not land in the staging buffer first. A data frame
-/// that no recv is waiting for is kept (copied into a bounded store) if it is
-/// small (<= `eager_limit`) and the store has room; otherwise the reader
-/// stops reading the socket until a recv is posted: TCP flow control then
-/// holds the sender, and nothing is buffered without bound. The same holds
-/// for a put/get request that finds every reply slot busy.
-///
-/// One-sided operations are served here, by the owner's reader:
-/// a put request is checked with `memory_registry::resolve` and its payload
-/// read straight into the registered memory (or, refused, read and thrown
-/// away); a get request is checked and answered with a reply whose payload
-/// the writer sends straight from the registered memory. The initiator
-/// matches replies to its requests in order.
-///
-/// Completion and resumption. Whatever completes an operation (a CQE, a
-/// timer, a cancellation, a failure) only records the result; the
-/// operation's coroutine is resumed from a ready list at the end of that
-/// event's handler, when the connection's state is consistent again, so a
-/// resumed coroutine may start new operations or destroy the endpoint. An
-/// operation is resumed only when no kernel request still uses its memory:
-/// its frame is not in a write in flight, and no read in flight targets its
-/// buffer.
+/// found there: each header goes to the engine (`on_header`), which says
+/// where its payload goes. The part of a payload already staged is copied;
+/// a rest larger than `direct_read_threshold` is read by the kernel straight
+/// into its destination (`MSG_WAITALL`, no intermediate copy). After a large
+/// payload, the next read asks for one header only, so that the next large
+/// payload does not land in the staging buffer first. When the engine
+/// pauses on a header (no room for an early message, no reply slot), the
+/// reader stops reading the socket until the engine resumes it: TCP flow
+/// control then holds the sender back.
 #pragma once
 
 #include <liburing.h>
 #include <sys/socket.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cassert>
 #include <cerrno>
-#include <chrono>
-#include <coroutine>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <memory>
-#include <new>
-#include <optional>
-#include <stop_token>
 #include <utility>
 
-#include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
-#include <gdr/memory/access.hpp>
 #include <gdr/memory/registration.hpp>
-#include <gdr/memory/space.hpp>
+#include <gdr/protocol/engine.hpp>
 #include <gdr/sched/operation.hpp>
+#include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transport/common.hpp>
 #include <gdr/transport/tcp/frame.hpp>
@@ -98,57 +71,30 @@ namespace gdr {
 
 namespace tcp {
 
-/// The TCP transport's tag: the key of its `transport_traits` rows.
-struct transport {};
-
-}  // namespace tcp
-
-/// TCP sends host memory straight from the user's buffer (an iovec handed to
-/// `sendmsg`) and receives large payloads straight into it: no copy in user
-/// space. (The kernel still copies between the buffer and its socket buffers.)
-template <>
-struct transport_traits<tcp::transport, Host> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
+/// The TCP transport's tag: the key of its rows in the path table.
+struct endpoint_stats;
+struct transport {
+  static constexpr const char* name = "tcp";
+  using stats_type = endpoint_stats;
 };
-
-/// Pinned memory is host memory to a socket.
-template <>
-struct transport_traits<tcp::transport, Pinned> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
-};
-
-// Device: the conservative default (unsupported) applies. A socket cannot
-// reach GPU memory; see the diagnostic in detail::tcp::check_space.
-
-namespace tcp {
 
 /// Tuning of one endpoint. The defaults suit a loopback or datacenter link.
 struct endpoint_options {
-  /// Data payloads up to this size are *eager*: received through the
-  /// staging buffer (one copy, cheaper than a second system call for small
-  /// messages), and kept when they arrive before their recv is posted.
-  std::size_t eager_limit = 16 * 1024;
-  /// The most bytes of early (unexpected) eager messages held per endpoint.
-  /// The store grows to this size only as needed. Beyond it, the reader
-  /// stops reading the socket until a recv is posted.
-  std::size_t unexpected_capacity = 256 * 1024;
+  /// The protocol layer's tuning (rendezvous threshold, early-message
+  /// store, reply slots, the largest message accepted).
+  protocol_options protocol{};
   /// Size of the staging buffer each read fills (clamped to at least one
-  /// header plus `eager_limit`).
+  /// header plus `direct_read_threshold`).
   std::size_t rx_buffer = 64 * 1024;
-  /// The longest frame accepted (data and put payloads, get sizes); a peer
-  /// announcing more is a protocol error. Sends longer than this fail with
-  /// `errc::invalid_argument` (both ends should agree).
-  std::uint64_t max_message = wire::default_max_message;
+  /// A payload rest larger than this is read by the kernel straight into
+  /// its destination instead of through the staging buffer (one system call
+  /// more, one copy less).
+  std::size_t direct_read_threshold = 16 * 1024;
   /// Writes whose payload bytes reach this size use `IORING_OP_SENDMSG_ZC`
   /// (the kernel pins the user's pages instead of copying them). 0: never.
   /// Off by default: on loopback it measured slower (benchmarks/RESULTS.md);
   /// on a real NIC it may win for large messages.
   std::size_t zero_copy_send_threshold = 0;
-  /// Peer requests (put/get) served at once; more stop the reader until a
-  /// reply has been written.
-  std::size_t reply_slots = 64;
   /// While the scheduler is in `run_mode::busy_poll`, read the socket the
   /// way a spinning socket program does: the loop calls
   /// `recv(MSG_DONTWAIT)` once per iteration while a read is pending,
@@ -170,8 +116,8 @@ struct endpoint_options {
   socket_options socket{};
 };
 
-/// Counters of one endpoint, updated as its operations complete.
-struct endpoint_stats : transfer_stats {
+/// Counters of one endpoint: the protocol layer's, and the transport's.
+struct endpoint_stats : protocol_stats {
   std::uint64_t writes = 0;            ///< writes of a batch of frames (io_uring or direct)
   std::uint64_t zero_copy_writes = 0;  ///< of which SENDMSG_ZC
   std::uint64_t direct_writes = 0;     ///< of which non-blocking system calls by the loop (busy_poll)
@@ -180,10 +126,6 @@ struct endpoint_stats : transfer_stats {
   std::uint64_t spin_reads = 0;        ///< non-blocking recv() attempts by the loop (busy_poll, see endpoint_options)
   std::uint64_t frames_out = 0;        ///< frames written
   std::uint64_t frames_in = 0;         ///< frames parsed
-  std::uint64_t unexpected = 0;        ///< data frames held because no recv was posted
-  std::uint64_t served_puts = 0;       ///< peer puts applied to registered memory
-  std::uint64_t served_gets = 0;       ///< peer gets answered with data
-  std::uint64_t refused = 0;           ///< peer puts/gets refused (errc::remote_access on their side)
 };
 
 }  // namespace tcp
@@ -192,274 +134,12 @@ namespace detail::tcp {
 
 using gdr::tcp::endpoint_options;
 using gdr::tcp::endpoint_stats;
-using gdr::tcp::frame_header;
-using gdr::tcp::frame_type;
-using gdr::tcp::wire_status;
+using proto::frame;
 namespace wire = gdr::tcp::wire;
 
-class connection;
-class endpoint_op;
-struct reply_slot;
-
-/// The diagnostic for a memory space TCP cannot move.
-template <class S>
-constexpr void check_space() noexcept {
-  static_assert(transport_supports<gdr::tcp::transport, S>,
-                "gdr::tcp::endpoint: this memory space is not supported by the TCP transport "
-                "(transport_traits<tcp::transport, S>::supported is false). A socket reaches host memory "
-                "only: device memory needs a staged path (copy it into a gdr::Pinned buffer first, "
-                "co_await gdr::copy(dst, src, stream), and send that) or another transport "
-                "(CUDA IPC within a node, verbs with GPUDirect RDMA across nodes).");
-}
-
-/// A frame waiting in the writer's queue or being written.
-struct tx_item {
-  tx_item* prev = nullptr;
-  tx_item* next = nullptr;
-  frame_header hdr{};                      // seq is set when sealed
-  std::byte wire_hdr[wire::header_size]{};  // the encoded header, once sealed
-  const std::byte* payload = nullptr;
-  std::size_t length = 0;   // payload bytes
-  std::size_t written = 0;  // header + payload bytes the kernel has taken
-  endpoint_op* op = nullptr;     // owner, or
-  reply_slot* slot = nullptr;    // owner
-  bool sealed = false;           // numbered and committed (joined a batch)
-  bool in_flight = false;        // part of the write the kernel is doing now
-  bool queued = false;           // in the writer's queue
-
-  std::size_t total() const noexcept { return wire::header_size + length; }
-};
-
-/// A reply this side owes its peer (put_ack or get_reply).
-struct reply_slot {
-  tx_item item{};
-  reply_slot* next_free = nullptr;
-};
-
-/// Doubly linked intrusive FIFO; `T` has `prev` and `next` (or named members
-/// through `Links`).
-template <class T, T* T::*Prev, T* T::*Next>
-struct fifo {
-  T* head = nullptr;
-  T* tail = nullptr;
-  std::size_t size = 0;
-
-  bool empty() const noexcept { return head == nullptr; }
-  void push_back(T* n) noexcept {
-    n->*Prev = tail;
-    n->*Next = nullptr;
-    (tail ? tail->*Next : head) = n;
-    tail = n;
-    ++size;
-  }
-  void erase(T* n) noexcept {
-    (n->*Prev ? (n->*Prev)->*Next : head) = n->*Next;
-    (n->*Next ? (n->*Next)->*Prev : tail) = n->*Prev;
-    n->*Prev = n->*Next = nullptr;
-    --size;
-  }
-  T* pop_front() noexcept {
-    T* n = head;
-    if (n != nullptr) erase(n);
-    return n;
-  }
-};
-
-/// Early eager messages (arrived before their recv): a bounded FIFO of
-/// [length, bytes] records in one buffer. The buffer grows by doubling, up to
-/// the endpoint's `unexpected_capacity`; sizes are gdr's choice, never the
-/// peer's.
-class message_store {
- public:
-  explicit message_store(std::size_t limit) noexcept : limit_(limit) {}
-
-  bool empty() const noexcept { return count_ == 0; }
-  std::size_t count() const noexcept { return count_; }
-
-  /// Room for a message of `len` bytes (within the limit, allocation aside).
-  bool fits(std::size_t len) const noexcept { return (tail_ - head_) + record(len) <= limit_; }
-
-  /// Appends a message; false if it does not fit or memory is short.
-  bool push(const std::byte* src, std::size_t len) noexcept {
-    std::size_t need = record(len);
-    if (!fits(len)) return false;
-    if (tail_ + need > cap_) {
-      // Slide the live records to the front, then grow if still short.
-      if (head_ != 0) {
-        std::memmove(buf_.get(), buf_.get() + head_, tail_ - head_);
-        tail_ -= head_;
-        head_ = 0;
-      }
-      if (tail_ + need > cap_) {
-        std::size_t cap = std::max<std::size_t>(cap_ * 2, 4096);
-        while (cap < tail_ + need) cap *= 2;
-        cap = std::min(cap, limit_);
-        std::unique_ptr<std::byte[]> nb(new (std::nothrow) std::byte[cap]);
-        if (!nb) return false;
-        if (tail_ != 0) std::memcpy(nb.get(), buf_.get(), tail_);
-        buf_ = std::move(nb);
-        cap_ = cap;
-      }
-    }
-    std::uint64_t l = len;
-    std::memcpy(buf_.get() + tail_, &l, sizeof l);
-    if (len != 0) std::memcpy(buf_.get() + tail_ + sizeof l, src, len);
-    tail_ += need;
-    ++count_;
-    return true;
-  }
-
-  /// Moves the oldest message into `dst` (at most `cap` bytes); returns its
-  /// full length. Precondition: not empty.
-  std::size_t pop(std::byte* dst, std::size_t cap) noexcept {
-    std::uint64_t l = 0;
-    std::memcpy(&l, buf_.get() + head_, sizeof l);
-    std::size_t n = std::min<std::size_t>(l, cap);
-    if (n != 0) std::memcpy(dst, buf_.get() + head_ + sizeof l, n);
-    head_ += record(static_cast<std::size_t>(l));
-    if (--count_ == 0) head_ = tail_ = 0;
-    return static_cast<std::size_t>(l);
-  }
-
- private:
-  static std::size_t record(std::size_t len) noexcept { return sizeof(std::uint64_t) + ((len + 7) & ~std::size_t{7}); }
-
-  std::unique_ptr<std::byte[]> buf_;
-  std::size_t cap_ = 0;
-  std::size_t limit_;
-  std::size_t head_ = 0;
-  std::size_t tail_ = 0;
-  std::size_t count_ = 0;
-};
-
-/// A send, recv, put, get or close: the awaitable, its queue links, its
-/// frame and its completion. Lives in the awaiting coroutine's frame.
-///
-/// Life: built with its parameters (movable until awaited). `await_suspend`
-/// completes it at once (returns false) or hands it to the connection. From
-/// then on the connection records its result (`connection::complete`) and
-/// calls `finish` once the kernel no longer uses its memory; `finish` waits
-/// for the op's timer CQE and a posted cancellation, if any, then puts it on
-/// the connection's ready list, which resumes it.
-class endpoint_op {
- public:
-  enum class kind : std::uint8_t { send, recv, put, get, close };
-
-  endpoint_op(connection* c, kind k, std::byte* data, std::size_t size, op_options opts) noexcept
-      : conn_(c), data_(data), size_(size), opts_(std::move(opts)), kind_(k) {}
-
-  endpoint_op(connection* c, kind k, std::byte* data, std::size_t size, std::uint64_t raddr, std::size_t rsize,
-              std::uint64_t rkey, op_options opts) noexcept
-      : conn_(c), data_(data), size_(size), raddr_(raddr), rsize_(rsize), rkey_(rkey), opts_(std::move(opts)),
-        kind_(k) {}
-
-  // Movable only before it is awaited (it is then only its parameters).
-  endpoint_op(endpoint_op&& o) noexcept
-      : conn_(o.conn_), data_(o.data_), size_(o.size_), raddr_(o.raddr_), rsize_(o.rsize_), rkey_(o.rkey_),
-        opts_(std::move(o.opts_)), kind_(o.kind_) {}
-  endpoint_op& operator=(endpoint_op&&) = delete;
-
-  bool await_ready() const noexcept { return false; }
-
-  template <class P>
-  bool await_suspend(std::coroutine_handle<P> h) noexcept {
-    return start(h, stop_token_of(h));
-  }
-
-  /// Bytes moved (sent, received into the view, put or got). Throws `gdr::error`.
-  std::size_t await_resume() { return result_value().value(); }
-
-  /// The same operation, but `co_await` returns `result<std::size_t>`.
-  auto as_result() && noexcept {
-    struct adapter : endpoint_op {
-      explicit adapter(endpoint_op&& o) noexcept : endpoint_op(std::move(o)) {}
-      result<std::size_t> await_resume() noexcept { return this->result_value(); }
-    };
-    return adapter{std::move(*this)};
-  }
-
- protected:
-  result<std::size_t> result_value() noexcept {
-    if (ec_) return ec_;
-    return bytes_;
-  }
-
- private:
-  friend class connection;
-
-  struct canceller {
-    endpoint_op* self;
-    void operator()() const noexcept { self->on_stop_requested(); }
-  };
-  struct cancel_node : remote_work {
-    endpoint_op* self = nullptr;
-  };
-  struct timer_node : operation {
-    endpoint_op* self = nullptr;
-  };
-
-  inline bool start(std::coroutine_handle<> h, std::stop_token coro_stop) noexcept;
-  inline void on_stop_requested() noexcept;
-  inline static void on_cancel_node(remote_work* w) noexcept;
-  inline static void on_timer(operation* op, int res, std::uint32_t flags) noexcept;
-  inline bool arm_timer() noexcept;
-  inline void finish() noexcept;
-  inline void release() noexcept;
-
-  // ---- parameters ----
-  connection* conn_;
-  std::byte* data_;
-  std::size_t size_;
-  std::uint64_t raddr_ = 0;
-  std::size_t rsize_ = 0;
-  std::uint64_t rkey_ = 0;
-  op_options opts_;
-  kind kind_;
-
-  // ---- state (loop thread) ----
-  bool result_set_ = false;     // the outcome is decided
-  bool finished_ = false;       // finish() ran
-  bool in_recvs_ = false;       // in the connection's recv queue
-  bool in_rma_ = false;         // in the connection's awaiting-reply queue
-  bool direct_target_ = false;  // a direct read into data_ is in flight
-  bool timer_armed_ = false;
-  bool timer_fired_ = false;
-  bool cancel_ran_ = false;
-  int pending_ = 0;  // events to come before resumption: the result, the timer, a posted cancel
-  std::error_code ec_{};
-  std::error_code deferred_cancel_{};  // cancelled while its frame is in a write in flight
-  std::size_t bytes_ = 0;
-  transfer_path path_ = transfer_path::none;
-  endpoint_op* prev_ = nullptr;  // recv queue or awaiting-reply queue
-  endpoint_op* next_ = nullptr;
-  endpoint_op* ready_next_ = nullptr;
-  std::coroutine_handle<> waiter_{};
-  tx_item tx_{};
-
-  // ---- cancellation (the callbacks may run on any thread) ----
-  std::optional<std::stop_callback<canceller>> stop_user_{};
-  std::optional<std::stop_callback<canceller>> stop_coro_{};
-  std::atomic<bool> cancel_posted_{false};
-  std::error_code cancel_reason_{errc::cancelled};  // what the posted cancellation reports
-  cancel_node cancel_{};
-  timer_node timer_{};
-  __kernel_timespec ts_{};
-};
-
-/// Where the reader is putting the payload of the current frame.
-struct rx_target {
-  bool active = false;
-  endpoint_op* op = nullptr;   // a recv or a get; null for a put being served
-  reply_slot* slot = nullptr;  // a put being served: its ack
-  std::byte* dst = nullptr;
-  std::size_t want = 0;     // bytes to write at dst
-  std::size_t done = 0;     // bytes written so far
-  std::size_t discard = 0;  // bytes of the frame to drop after `want` (truncation)
-  bool direct = false;      // some bytes were read by the kernel straight into dst
-};
-
-/// One connected socket and everything in flight on it. See the file comment.
-class connection {
+/// One connected socket: the TCP transport under a protocol engine. See the
+/// file comment.
+class connection final : public proto::engine {
  public:
   static constexpr std::size_t max_batch = 64;  // frames per sendmsg (2 iovecs each; IOV_MAX is 1024)
   /// A batch closes once it holds this much payload. Up to it, several
@@ -473,21 +153,14 @@ class connection {
   /// into one buffer and written with `send` instead of `sendmsg`.
   static constexpr std::size_t small_write = 512;
 
-  /// Takes over `sock` (connected; options already applied) and starts
-  /// reading. Call on `s`'s thread, or before `s` runs. Throws
+  /// Takes over `sock` (connected; options already applied), says hello and
+  /// starts reading. Call on `s`'s thread, or before `s` runs. Throws
   /// `std::bad_alloc`.
   connection(scheduler& s, gdr::tcp::socket sock, memory_registry& reg, const endpoint_options& o)
-      : sched_(&s), sock_(std::move(sock)), registry_(&reg), opts_(o), store_(o.unexpected_capacity) {
-    if (opts_.eager_limit > opts_.max_message) opts_.eager_limit = static_cast<std::size_t>(opts_.max_message);
-    rx_cap_ = std::max(opts_.rx_buffer, wire::header_size + opts_.eager_limit);
+      : engine(s, reg, o.protocol, stats_, proto::caps::host), sock_(std::move(sock)), topts_(o) {
+    direct_min_ = std::max<std::size_t>(topts_.direct_read_threshold, 1);
+    rx_cap_ = std::max(topts_.rx_buffer, wire::header_size + direct_min_);
     rx_buf_.reset(new std::byte[rx_cap_]);
-    std::size_t nslots = std::max<std::size_t>(opts_.reply_slots, 1);
-    slots_.reset(new reply_slot[nslots]);
-    for (std::size_t i = nslots; i-- > 0;) {
-      slots_[i].item.slot = &slots_[i];
-      slots_[i].next_free = free_slots_;
-      free_slots_ = &slots_[i];
-    }
     read_op_.self = this;
     read_op_.complete = &on_read;
     write_op_.self = this;
@@ -498,143 +171,14 @@ class connection {
     msg_.msg_iov = iov_;
     // The reader runs from the start: the peer may send requests (put/get)
     // before this side posts anything.
+    start_protocol();
     pump();
   }
 
-  connection(const connection&) = delete;
-  connection& operator=(const connection&) = delete;
-
-  scheduler& sched() const noexcept { return *sched_; }
   int fd() const noexcept { return sock_.native_handle(); }
   const endpoint_stats& stats() const noexcept { return stats_; }
-  transfer_path last_path() const noexcept { return last_path_; }
-  /// The error new operations fail with (none while usable).
-  std::error_code state_error() const noexcept {
-    if (closing_) return errc::closed;
-    return error_;
-  }
   /// The parser's reason for the last protocol error, for diagnostics.
   gdr::tcp::frame_status protocol_reason() const noexcept { return protocol_reason_; }
-
-  /// The endpoint is gone: abort (if still open); the connection frees
-  /// itself once nothing is in flight and every operation has resumed. Loop
-  /// thread.
-  void abandon() noexcept {
-    abandoned_ = true;
-    if (!error_) fail(errc::closed);
-    if (busy_ == 0 && deletable()) delete this;
-  }
-
-  // ---------------------------------------------------------------- ops
-
-  /// Starts `op` (from its await_suspend). True: the op is pending; false:
-  /// it completed at once (its result is set).
-  bool begin(endpoint_op& op) noexcept {
-    switch (op.kind_) {
-      case endpoint_op::kind::recv: return begin_recv(op);
-      case endpoint_op::kind::close: return begin_close(op);
-      default: return begin_tx(op);
-    }
-  }
-
-  /// A cancellation (stop token, timeout) reached `op`. Loop thread, inside
-  /// enter()/leave().
-  void cancel(endpoint_op& op, std::error_code why) noexcept {
-    if (op.result_set_) return;
-    switch (op.kind_) {
-      case endpoint_op::kind::send:
-      case endpoint_op::kind::put:
-      case endpoint_op::kind::get:
-        if (!op.tx_.sealed) {
-          complete(op, why);  // still waiting in the queue: withdrawn
-        } else if (op.tx_.queued) {
-          // In a write in flight: the kernel holds its memory. If the write
-          // leaves the frame untouched it is withdrawn then (write_done);
-          // if any byte goes out it is committed: a send then completes
-          // normally (withdrawing it would leave a hole in the stream), a
-          // put/get completes with `why` once its request is out and its
-          // reply is dropped.
-          if (!op.deferred_cancel_) op.deferred_cancel_ = why;
-        } else if (op.kind_ != endpoint_op::kind::send) {
-          complete(op, why);  // awaiting the reply or its payload: orphan it
-        }
-        break;
-      case endpoint_op::kind::recv: complete(op, why); break;
-      case endpoint_op::kind::close:
-        // Stop waiting for the flush: abort the connection.
-        complete(op, why);
-        if (!error_) fail(errc::closed);
-        break;
-    }
-  }
-
-  // Every event handler runs between enter() and leave(). leave() resumes
-  // what completed, now that the state is consistent, and frees an abandoned
-  // connection; nothing is resumed from inside a user's call.
-  void enter() noexcept { ++busy_; }
-  void leave() noexcept {
-    bool wrote = false;
-    for (;;) {
-      while (endpoint_op* op = ready_head_) {
-        ready_head_ = op->ready_next_;
-        if (ready_head_ == nullptr) ready_tail_ = nullptr;
-        --attached_;
-        op->waiter_.resume();  // may start ops, or destroy the endpoint
-      }
-      if (busy_ != 1) break;
-      // Frames the resumed coroutines queued go out now (direct writes),
-      // once per handler: sends that complete resume senders that queue
-      // more, and the rest of the loop must get its turn (what is queued
-      // after that goes to io_uring, below).
-      if (write_deferred_ && !wrote) {
-        write_deferred_ = false;
-        wrote = true;
-        start_write(true);
-        continue;
-      }
-      // A staging read decided during the handler goes into the SQ behind
-      // whatever the resumed coroutines queued (see submit_read). Issuing
-      // it can fail the connection, which completes more operations.
-      if (read_deferred_) {
-        issue_read();
-        continue;
-      }
-      break;
-    }
-    if (busy_ == 1 && write_deferred_) {
-      write_deferred_ = false;
-      start_write(false);
-    }
-    if (--busy_ == 0 && abandoned_ && deletable()) delete this;
-  }
-
-  void push_ready(endpoint_op& op) noexcept {
-    op.ready_next_ = nullptr;
-    (ready_tail_ ? ready_tail_->ready_next_ : ready_head_) = &op;
-    ready_tail_ = &op;
-    // Completed outside an event handler (a failure found by a user's
-    // call): resume it from the loop.
-    if (busy_ == 0) kick();
-  }
-
-  void note_attached() noexcept { ++attached_; }
-
-  /// Counts a finished operation. Loop thread.
-  void record(const endpoint_op& op) noexcept {
-    if (op.ec_) {
-      ++stats_.failed;
-      return;
-    }
-    switch (op.kind_) {
-      case endpoint_op::kind::send: ++stats_.sends; stats_.bytes_sent += op.bytes_; break;
-      case endpoint_op::kind::put: ++stats_.puts; stats_.bytes_sent += op.bytes_; break;
-      case endpoint_op::kind::recv: ++stats_.recvs; stats_.bytes_received += op.bytes_; break;
-      case endpoint_op::kind::get: ++stats_.gets; stats_.bytes_received += op.bytes_; break;
-      case endpoint_op::kind::close: return;
-    }
-    ++stats_.by_path[static_cast<std::size_t>(op.path_)];
-    last_path_ = op.path_;
-  }
 
  private:
   struct conn_op : operation {
@@ -643,235 +187,43 @@ class connection {
   struct kick_node : remote_work {
     connection* self = nullptr;
   };
-  enum class rx_wait : std::uint8_t {
-    none,     // reading (or about to)
-    recv,     // a data frame waits for a recv (or for room in the store)
-    slot,     // a request waits for a free reply slot
-    stopped,  // failed or closed: no more reading
+  /// Where the reader is putting the current payload.
+  struct rx_target {
+    bool active = false;
+    std::byte* dst = nullptr;
+    std::size_t want = 0;       // bytes to write at dst
+    std::size_t done = 0;       // bytes written so far
+    std::uint64_t discard = 0;  // bytes of the frame to drop after `want`
+    bool direct = false;        // some bytes were read by the kernel straight into dst
+    bool aborted = false;       // the engine stopped it while the kernel wrote into dst
   };
-  struct orphan {
-    std::uint32_t tag;
-    bool get;
-  };
 
-  ~connection() {  // only through leave() or abandon()
-    if (spin_registered_) sched_->remove_poller(spin_);
+  ~connection() override {
+    if (spin_registered_) sched().remove_poller(spin_);
   }
 
-  bool deletable() const noexcept {
-    return attached_ == 0 && ready_head_ == nullptr && !read_inflight_ && !write_inflight_ && !kick_posted_;
-  }
+  void destroy() noexcept override { delete this; }
 
-  // ---------------------------------------------------------------- starting
+  // ---------------------------------------------------------------- the engine's hooks
 
-  bool begin_recv(endpoint_op& op) noexcept {
-    if (closing_) {
-      op.ec_ = errc::closed;
-      return false;
+  void link_post(frame& f) noexcept override {
+    f.queued = true;
+    f.sealed = false;
+    f.in_flight = false;
+    f.written = 0;
+    if (failed()) {
+      // Nothing will be written: hand it back from the loop, not from
+      // inside the caller (an operation must not complete before it waits).
+      f.queued = true;
+      dropped_.push_back(&f);
+      kick();
+      return;
     }
-    if (!store_.empty()) {
-      // Early messages first: recvs match messages in arrival order.
-      std::size_t len = store_.pop(op.data_, op.size_);
-      op.bytes_ = std::min(len, op.size_);
-      op.path_ = transfer_path::host_eager;
-      if (len > op.size_) op.ec_ = errc::truncated;
-      if (wait_ == rx_wait::recv) kick();
-      return false;
-    }
-    if (error_) {
-      op.ec_ = error_;
-      return false;
-    }
-    recvs_.push_back(&op);
-    op.in_recvs_ = true;
-    if (wait_ == rx_wait::recv) kick();
-    return true;
-  }
-
-  bool begin_tx(endpoint_op& op) noexcept {
-    if (std::error_code ec = state_error()) {
-      op.ec_ = ec;
-      return false;
-    }
-    frame_header& h = op.tx_.hdr;
-    if (op.kind_ == endpoint_op::kind::send) {
-      if (op.size_ > opts_.max_message) {
-        op.ec_ = errc::invalid_argument;  // the peer would refuse it (same limit)
-        return false;
-      }
-      h.type = frame_type::data;
-      h.length = op.size_;
-      op.tx_.payload = op.data_;
-      op.tx_.length = op.size_;
-    } else {
-      // The local view must fit in the remote one: a mismatch is the caller's bug.
-      if (op.size_ > op.rsize_ || op.size_ > opts_.max_message) {
-        op.ec_ = errc::invalid_argument;
-        return false;
-      }
-      bool put = op.kind_ == endpoint_op::kind::put;
-      h.type = put ? frame_type::put_request : frame_type::get_request;
-      h.length = op.size_;
-      h.addr = op.raddr_;
-      h.key = op.rkey_;
-      if (put) {
-        op.tx_.payload = op.data_;
-        op.tx_.length = op.size_;
-      }
-      // Awaiting its reply from now on: a reply may be parsed before the
-      // write's own CQE is.
-      rma_.push_back(&op);
-      op.in_rma_ = true;
-    }
-    op.tx_.op = &op;
-    enqueue(op.tx_);
-    return true;
-  }
-
-  bool begin_close(endpoint_op& op) noexcept {
-    if (closing_) return false;  // a second close: nothing more to do
-    closing_ = true;
-    if (error_) {
-      // Failed already: nothing to flush; wait only for the kernel to
-      // return the connection's buffers.
-      close_op_ = &op;
-      op.result_set_ = true;
-      if (!read_inflight_ && !write_inflight_) {
-        close_op_ = nullptr;
-        sock_.close();
-        return false;
-      }
-      return true;
-    }
-    close_op_ = &op;
-    op.tx_.hdr.type = frame_type::close;
-    op.tx_.op = &op;
-    enqueue(op.tx_);
-    return true;
-  }
-
-  // ---------------------------------------------------------------- completing
-
-  /// Decides `op`'s outcome (the first decision wins) and takes it out of
-  /// every queue it can leave now; it finishes once the kernel is done with
-  /// its memory (try_finish).
-  void complete(endpoint_op& op, std::error_code ec) noexcept {
-    if (op.result_set_) return;
-    op.result_set_ = true;
-    op.ec_ = ec;
-    if (op.in_recvs_) {
-      recvs_.erase(&op);
-      op.in_recvs_ = false;
-    }
-    if (op.in_rma_) {
-      rma_.erase(&op);
-      op.in_rma_ = false;
-      // A request the peer has (or will have) seen: its reply must be
-      // recognised and dropped.
-      if (op.tx_.sealed && !error_) orphans_.push_back({op.tx_.hdr.seq, op.kind_ == endpoint_op::kind::get});
-    }
-    if (target_.active && target_.op == &op) {
-      if (read_inflight_ && read_direct_) {
-        // The kernel is writing into op's buffer: stop it. The read's CQE
-        // (for a spinning read, the next poll) finishes the op; the rest of
-        // the frame is skipped.
-        if (spin_pending_) {
-          spin_cancel_ = true;
-        } else {
-          sched_->cancel(&read_op_);
-        }
-      } else {
-        release_target();
-      }
-    }
-    try_finish(op);
-  }
-
-  /// Finishes `op` if its outcome is decided and no kernel request uses
-  /// its memory any more.
-  void try_finish(endpoint_op& op) noexcept {
-    if (!op.result_set_ || op.finished_ || op.direct_target_) return;
-    if (op.tx_.queued) {
-      if (op.tx_.in_flight) return;
-      if (op.tx_.sealed && !error_) return;  // committed: waits for its write
-      tx_.erase(&op.tx_);
-      op.tx_.queued = false;
-    }
-    if (op.kind_ == endpoint_op::kind::close) {
-      // close() returns when the socket is quiet and closed.
-      if (read_inflight_ || write_inflight_) return;
-      close_op_ = nullptr;
-      sock_.close();
-    }
-    op.finish();
-  }
-
-  /// The current frame's payload is no longer wanted: skip the rest of it.
-  void release_target() noexcept {
-    skip_ += (target_.want - target_.done) + target_.discard;
-    if (target_.op != nullptr) target_.op->direct_target_ = false;
-    if (target_.slot != nullptr) free_slot(target_.slot);
-    target_ = {};
-  }
-
-  // ---------------------------------------------------------------- failure
-
-  /// The connection is unusable: fail everything with `ec` (connection_lost,
-  /// protocol_error, or closed). Frames in the write in flight, and an op
-  /// the kernel is reading into, complete when their CQE arrives (the
-  /// shutdown makes it arrive at once).
-  void fail(std::error_code ec) noexcept {
-    if (error_) return;
-    error_ = ec;
-    wait_ = rx_wait::stopped;
-    // Wake the reads and writes in flight: a recv returns 0, a send EPIPE.
-    if (sock_.valid()) ::shutdown(fd(), SHUT_RDWR);
-    for (tx_item* it = tx_.head; it != nullptr;) {
-      tx_item* next = it->next;
-      if (!it->in_flight) drop_item(*it);
-      it = next;
-    }
-    while (endpoint_op* op = recvs_.head) complete(*op, ec);
-    while (endpoint_op* op = rma_.head) complete(*op, ec);
-    orphans_.clear();
-    if (target_.active) {
-      if (target_.op != nullptr) {
-        complete(*target_.op, ec);
-      } else if (!read_inflight_) {
-        release_target();
-      }
-    }
-  }
-
-  /// A frame that will not be written (failure): take it out and complete
-  /// its owner.
-  void drop_item(tx_item& it) noexcept {
-    tx_.erase(&it);
-    it.queued = false;
-    if (it.slot != nullptr) {
-      free_slot(it.slot);
-    } else if (it.op != nullptr) {
-      // A close overtaken by a failure (or by the peer's own close) has
-      // nothing left to flush: it succeeds, as closing a failed endpoint does.
-      complete(*it.op, it.op->kind_ == endpoint_op::kind::close ? std::error_code{} : error_);
-      try_finish(*it.op);
-    }
-  }
-
-  void protocol_fail(gdr::tcp::frame_status why) noexcept {
-    protocol_reason_ = why;
-    fail(errc::protocol_error);
-  }
-
-  // ---------------------------------------------------------------- writer
-
-  void enqueue(tx_item& it) noexcept {
-    it.queued = true;
-    tx_.push_back(&it);
-    if (direct_writes() && busy_ > 0) {
-      // Queued inside an event handler: written by a system call at its
-      // end (leave), with whatever else its coroutines queue. Queued
-      // outside one (from the caller's co_await), it goes to io_uring: an
+    tx_.push_back(&f);
+    if (direct_writes() && in_handler()) {
+      // Posted inside an event handler: written by a system call at its end
+      // (link_flush), with whatever else its coroutines queue. Posted
+      // outside one (from a caller's co_await), it goes to io_uring: an
       // operation must not complete before it has suspended.
       write_deferred_ = true;
       return;
@@ -879,16 +231,128 @@ class connection {
     start_write(false);
   }
 
-  void seal(tx_item& it) noexcept {
-    it.hdr.seq = tx_seq_++;
-    gdr::tcp::encode_frame(it.hdr, it.wire_hdr);
-    it.sealed = true;
+  bool link_withdraw(frame& f) noexcept override {
+    if (!f.queued || f.in_flight) return false;
+    if (f.sealed && !failed()) return false;
+    if (is_dropped(f)) {
+      dropped_.erase(&f);
+    } else {
+      tx_.erase(&f);
+    }
+    f.queued = false;
+    return true;
   }
+
+  bool link_committed(const frame& f) const noexcept override { return f.queued && (f.sealed || f.in_flight); }
+
+  void link_resume() noexcept override {
+    if (rx_paused_) kick();
+  }
+
+  bool link_abort_target() noexcept override {
+    if (!tgt_.active) return true;
+    if (read_inflight_ && read_direct_) {
+      // The kernel is writing into the destination: stop it. The read's
+      // CQE (for a spinning read, the next poll) releases it; the rest of
+      // the frame is skipped.
+      tgt_.aborted = true;
+      if (spin_pending_) {
+        spin_cancel_ = true;
+      } else {
+        sched().cancel(&read_op_);
+      }
+      return false;
+    }
+    skip_ += (tgt_.want - tgt_.done) + tgt_.discard;
+    tgt_ = {};
+    return true;
+  }
+
+  void link_shutdown() noexcept override {
+    rx_paused_ = false;
+    // Wake the reads and writes in flight: a recv returns 0, a send EPIPE.
+    if (sock_.valid()) ::shutdown(fd(), SHUT_RDWR);
+    for (frame* f = tx_.head; f != nullptr;) {
+      frame* next = f->next;
+      if (!f->in_flight) {
+        tx_.erase(f);
+        dropped_.push_back(f);
+      }
+      f = next;
+    }
+    if (!dropped_.empty()) kick();
+  }
+
+  bool link_flush() noexcept override {
+    // Frames the resumed coroutines posted go out now (direct writes),
+    // once per handler: sends that complete resume senders that queue
+    // more, and the rest of the loop must get its turn (what is queued
+    // after that goes to io_uring, below).
+    if (write_deferred_ && !handler_wrote_) {
+      write_deferred_ = false;
+      handler_wrote_ = true;
+      start_write(true);
+      return true;
+    }
+    // A staging read decided during the handler goes into the SQ behind
+    // whatever the resumed coroutines queued (see submit_read).
+    if (read_deferred_) {
+      issue_read();
+      return true;
+    }
+    if (write_deferred_) {
+      write_deferred_ = false;
+      start_write(false);
+    }
+    handler_wrote_ = false;
+    return false;
+  }
+
+  bool link_quiet() const noexcept override {
+    return !read_inflight_ && !write_inflight_ && !kick_posted_ && dropped_.empty();
+  }
+
+  void link_release() noexcept override { sock_.close(); }
+
+  transfer_path link_rx_path(bool direct) const noexcept override {
+    return direct ? transfer_path::host_zero_copy : transfer_path::host_eager;
+  }
+  transfer_path link_tx_path() const noexcept override {
+    return transfer_path::host_zero_copy;  // from the user's buffer by iovec
+  }
+
+  // ---------------------------------------------------------------- failure
+
+  void protocol_fail(gdr::tcp::frame_status why) noexcept {
+    protocol_reason_ = why;
+    on_link_failed(errc::protocol_error);
+  }
+
+  bool is_dropped(const frame& f) const noexcept {
+    for (const frame* d = dropped_.head; d != nullptr; d = d->next)
+      if (d == &f) return true;
+    return false;
+  }
+
+  /// Hands back the frames that will never be written (after a failure).
+  void return_dropped() noexcept {
+    while (frame* f = dropped_.pop_front()) on_sent(*f, error());
+  }
+
+  // ---------------------------------------------------------------- writer
+
+  void seal(frame& f) noexcept {
+    f.seq = tx_seq_++;
+    gdr::tcp::encode_frame(f.hdr, f.seq, f.encoded);
+    f.sealed = true;
+  }
+
+  std::size_t frame_total(const frame& f) const noexcept { return wire::header_size + f.hdr.length; }
 
   /// Writes go out as non-blocking system calls made by the loop
   /// (endpoint_options::direct_writes_in_busy_poll).
   bool direct_writes() const noexcept {
-    return opts_.direct_writes_in_busy_poll && sched_->mode() == run_mode::busy_poll;
+    return topts_.direct_writes_in_busy_poll && sched().mode() == run_mode::busy_poll;
   }
 
   /// Gathers the next batch from the head of the queue into iov_/msg_
@@ -898,27 +362,27 @@ class connection {
     std::size_t iovn = 0;
     std::size_t payload = 0;
     std::size_t n = 0;
-    for (tx_item* it = tx_.head; it != nullptr && n < max_batch; it = it->next) {
-      if (!it->sealed) seal(*it);
-      it->in_flight = true;
-      std::size_t off = it->written;
+    for (frame* f = tx_.head; f != nullptr && n < max_batch; f = f->next) {
+      if (!f->sealed) seal(*f);
+      f->in_flight = true;
+      std::size_t off = f->written;
       if (off < wire::header_size) {
-        iov_[iovn++] = {it->wire_hdr + off, wire::header_size - off};
+        iov_[iovn++] = {f->encoded + off, wire::header_size - off};
         off = 0;
       } else {
         off -= wire::header_size;
       }
-      if (it->length > off) {
+      if (f->hdr.length > off) {
         // sendmsg only reads through iov_base; iovec has no const member.
-        iov_[iovn++] = {const_cast<std::byte*>(it->payload) + off, it->length - off};
-        payload += it->length - off;
+        iov_[iovn++] = {const_cast<std::byte*>(f->payload) + off, static_cast<std::size_t>(f->hdr.length) - off};
+        payload += f->hdr.length - off;
       }
       ++n;
       if (payload >= batch_bytes) break;
     }
     batch_n_ = n;
     msg_.msg_iovlen = iovn;
-    zc_write_ = opts_.zero_copy_send_threshold != 0 && payload >= opts_.zero_copy_send_threshold;
+    zc_write_ = topts_.zero_copy_send_threshold != 0 && payload >= topts_.zero_copy_send_threshold;
     std::size_t bytes = 0;
     for (std::size_t i = 0; i < iovn; ++i) bytes += iov_[i].iov_len;
     small_ = bytes <= small_write && !zc_write_;
@@ -940,7 +404,7 @@ class connection {
   /// handler, in busy-poll mode), else, or for what the socket could not
   /// take, one io_uring write.
   void start_write(bool direct) noexcept {
-    while (!write_inflight_ && !error_ && !tx_.empty()) {
+    while (!write_inflight_ && !failed() && !tx_.empty()) {
       std::size_t bytes = gather();
       // Zero-copy sends need io_uring's notification: never direct.
       if (direct && direct_writes() && !write_blocked_ && !zc_write_) {
@@ -956,7 +420,7 @@ class connection {
         if (!batch_done(r < 0 ? -errno : r)) return;
         continue;
       }
-      io_uring_sqe* sqe = sched_->get_sqe();
+      io_uring_sqe* sqe = sched().get_sqe();
       if (sqe == nullptr) {
         // The SQ is full even after submitting: take the batch back (nothing
         // of it was written) and try again from the loop.
@@ -973,7 +437,7 @@ class connection {
         io_uring_prep_sendmsg(sqe, fd(), &msg_, MSG_NOSIGNAL);
       }
       io_uring_sqe_set_data(sqe, static_cast<operation*>(&write_op_));
-      sched_->note_submitted();
+      sched().note_submitted();
       write_inflight_ = true;
       ++stats_.writes;
       return;
@@ -990,43 +454,43 @@ class connection {
     }
     if (flags & IORING_CQE_F_NOTIF) res = c->zc_result_;
     c->enter();
-    c->write_done(res);
+    c->write_inflight_ = false;
+    c->write_blocked_ = false;
+    if (c->batch_done(res)) c->start_write(true);
+    c->on_io_done();
     c->leave();
   }
 
-  void write_done(int res) noexcept {
-    write_inflight_ = false;
-    write_blocked_ = false;
-    if (batch_done(res)) start_write(true);
-  }
-
   /// Accounts for the write of the current batch (`res`: bytes taken, or
-  /// -errno): frames entirely out complete, frames untouched are unsealed.
+  /// -errno): frames entirely out are done, frames untouched are unsealed.
   /// False: the connection failed.
   bool batch_done(ssize_t res) noexcept {
     std::size_t left = res > 0 ? static_cast<std::size_t>(res) : 0;
     std::size_t n = std::exchange(batch_n_, 0);
     // The batch is the first n frames of the queue; none can have left it
     // while in flight.
-    tx_item* it = tx_.head;
+    frame* f = tx_.head;
     for (std::size_t i = 0; i < n; ++i) {
-      tx_item* next = it->next;
-      it->in_flight = false;
-      std::size_t take = std::min(left, it->total() - it->written);
-      it->written += take;
+      frame* next = f->next;
+      f->in_flight = false;
+      std::size_t take = std::min(left, frame_total(*f) - f->written);
+      f->written += take;
       left -= take;
-      if (it->written == it->total()) {
-        tx_.erase(it);
-        it->queued = false;
+      if (f->written == frame_total(*f)) {
+        tx_.erase(f);
         ++stats_.frames_out;
-        written(*it);
+        on_sent(*f, {});
+      } else if (failed()) {
+        // Failed while it was in the write: it will never go out.
+        tx_.erase(f);
+        on_sent(*f, error());
       }
-      it = next;
+      f = next;
     }
-    if (res < 0 && res != -EINTR && res != -EAGAIN) fail(connection_error(static_cast<int>(res)));
-    if (error_) {
-      while (tx_item* rest = tx_.head) drop_item(*rest);
-      if (close_op_ != nullptr) try_finish(*close_op_);
+    if (res < 0 && res != -EINTR && res != -EAGAIN && !failed()) on_link_failed(connection_error(static_cast<int>(res)));
+    if (failed()) {
+      link_shutdown();  // frames behind the batch
+      return_dropped();
       return false;
     }
     unseal_untouched();
@@ -1035,106 +499,47 @@ class connection {
 
   /// After a short write: the sealed frames the kernel took no byte of are
   /// the last ones sealed, so they can be withdrawn again (numbers handed
-  /// back), and those cancelled meanwhile complete now.
+  /// back).
   void unseal_untouched() noexcept {
-    tx_item* it = tx_.head;
-    while (it != nullptr && it->sealed && it->written != 0) it = it->next;
-    while (it != nullptr && it->sealed) {
-      tx_item* next = it->next;
-      it->sealed = false;
+    frame* f = tx_.head;
+    while (f != nullptr && f->sealed && f->written != 0) f = f->next;
+    while (f != nullptr && f->sealed) {
+      f->sealed = false;
       --tx_seq_;
-      if (it->op != nullptr && it->op->deferred_cancel_) complete(*it->op, it->op->deferred_cancel_);
-      it = next;
+      f = f->next;
     }
   }
 
-  /// Frame `it` is entirely in the kernel.
-  void written(tx_item& it) noexcept {
-    if (it.slot != nullptr) {
-      free_slot(it.slot);
-      return;
-    }
-    endpoint_op& op = *it.op;
-    switch (op.kind_) {
-      case endpoint_op::kind::send:
-        op.bytes_ = op.size_;
-        op.path_ = transfer_path::host_zero_copy;  // from the user's buffer by iovec
-        complete(op, {});
-        break;
-      case endpoint_op::kind::put:
-      case endpoint_op::kind::get:
-        if (!op.result_set_ && op.deferred_cancel_) complete(op, op.deferred_cancel_);
-        break;
-      case endpoint_op::kind::close:
-        // Everything before the close frame is out. Fail what is still
-        // pending with errc::closed; the shutdown ends the stream (FIN).
-        complete(op, {});
-        fail(errc::closed);
-        break;
-      case endpoint_op::kind::recv: break;
-    }
-    try_finish(op);
-  }
-
-  // ---------------------------------------------------------------- replies
-
-  reply_slot* take_slot() noexcept {
-    reply_slot* s = free_slots_;
-    if (s != nullptr) free_slots_ = s->next_free;
-    return s;
-  }
-
-  void free_slot(reply_slot* s) noexcept {
-    s->item = tx_item{};
-    s->item.slot = s;
-    s->next_free = free_slots_;
-    free_slots_ = s;
-    if (wait_ == rx_wait::slot) kick();
-  }
-
-  void send_reply(reply_slot* s, frame_type type, std::uint32_t request_seq, wire_status status,
-                  const std::byte* payload, std::size_t length) noexcept {
-    tx_item& it = s->item;
-    it.hdr = frame_header{};
-    it.hdr.type = type;
-    it.hdr.status = status;
-    it.hdr.addr = request_seq;
-    it.hdr.length = length;
-    it.payload = payload;
-    it.length = length;
-    if (error_) {
-      free_slot(s);
-      return;
-    }
-    enqueue(it);
-  }
-
-  // ---------------------------------------------------------------- reader
+  // ---------------------------------------------------------------- kicks
 
   void kick() noexcept {
     if (kick_posted_) return;
     kick_posted_ = true;
-    sched_->post(&kick_);
+    sched().post(&kick_);
   }
 
   static void on_kick(remote_work* w) noexcept {
     connection* c = static_cast<kick_node*>(w)->self;
     c->enter();
     c->kick_posted_ = false;
-    if (!c->error_) {
-      if (c->wait_ == rx_wait::recv || c->wait_ == rx_wait::slot) {
-        c->wait_ = rx_wait::none;
+    c->return_dropped();
+    if (!c->failed()) {
+      if (c->rx_paused_) {
+        c->rx_paused_ = false;
         c->pump();
       }
       c->start_write(true);  // after an SQ-full retry
     }
+    c->on_io_done();
     c->leave();
   }
+
+  // ---------------------------------------------------------------- reader
 
   /// Consumes what the staging buffer holds, then starts the next read or
   /// pauses. Precondition: no read in flight, not paused.
   void pump() noexcept {
-    while (!error_) {
+    while (!failed()) {
       std::size_t avail = rx_end_ - rx_pos_;
       if (skip_ > 0) {
         auto n = static_cast<std::size_t>(std::min<std::uint64_t>(skip_, avail));
@@ -1143,21 +548,21 @@ class connection {
         if (skip_ > 0) return read_staging();
         continue;
       }
-      if (target_.active) {
-        std::size_t n = std::min(target_.want - target_.done, avail);
+      if (tgt_.active) {
+        std::size_t n = std::min(tgt_.want - tgt_.done, avail);
         if (n != 0) {
-          std::memcpy(target_.dst + target_.done, rx_buf_.get() + rx_pos_, n);
+          std::memcpy(tgt_.dst + tgt_.done, rx_buf_.get() + rx_pos_, n);
           rx_pos_ += n;
-          target_.done += n;
+          tgt_.done += n;
         }
-        if (target_.done == target_.want) {
+        if (tgt_.done == tgt_.want) {
           target_done();
           continue;
         }
         // The buffer is empty and the payload goes on: a small rest comes
         // through the staging buffer (with whatever follows it), a large
         // one straight into its destination.
-        if (target_.want - target_.done <= opts_.eager_limit) return read_staging();
+        if (tgt_.want - tgt_.done <= direct_min_) return read_staging();
         return read_direct();
       }
       if (avail < wire::header_size) return read_staging();
@@ -1166,183 +571,61 @@ class connection {
   }
 
   /// Handles the frame whose header starts at rx_pos_. False: stop pumping
-  /// (paused, waiting for more bytes, or failed).
+  /// (paused or failed).
   bool parse_one() noexcept {
     const std::byte* p = rx_buf_.get() + rx_pos_;
     gdr::tcp::frame_parse_result r =
-        gdr::tcp::parse_frame(std::span<const std::byte>(p, wire::header_size), opts_.max_message);
+        gdr::tcp::parse_frame(std::span<const std::byte>(p, wire::header_size), options().max_message);
     if (r.status != gdr::tcp::frame_status::ok) {
       protocol_fail(r.status);
       return false;
     }
-    const frame_header& h = r.header;
-    if (h.seq != rx_seq_) {
+    if (r.seq != rx_seq_) {
       protocol_fail(gdr::tcp::frame_status::bad_field);  // out of step (a lost or forged frame)
       return false;
     }
-    auto len = static_cast<std::size_t>(h.length);
-    switch (h.type) {
-      case frame_type::data: {
-        large_ = len > opts_.eager_limit;
-        if (endpoint_op* op = recvs_.pop_front()) {
-          op->in_recvs_ = false;
-          consume_header();
-          std::size_t want = std::min(len, op->size_);
-          if (want < len) op->ec_ = errc::truncated;  // reported when the payload is in
-          set_target(op, nullptr, op->data_, want, len - want);
-          return true;
-        }
-        if (len <= opts_.eager_limit && store_.fits(len)) {
-          if (rx_end_ - rx_pos_ < wire::header_size + len) {
-            read_staging();  // the whole frame fits in the staging buffer: get the rest
-            return false;
-          }
-          if (store_.push(p + wire::header_size, len)) {
-            ++stats_.unexpected;
-            consume_header();
-            rx_pos_ += len;
-            return true;
-          }
-        }
-        wait_ = rx_wait::recv;  // flow control: read no further until a recv comes
+    proto::rx_plan plan = on_header(r.header);
+    switch (plan.act) {
+      case proto::rx_plan::action::pause:
+        rx_paused_ = true;
         return false;
-      }
-      case frame_type::put_request: {
-        large_ = len > opts_.eager_limit;
-        reply_slot* s = take_slot();
-        if (s == nullptr) {
-          wait_ = rx_wait::slot;
-          return false;
-        }
-        consume_header();
-        result<std::byte*> dst = registry_->resolve(h.addr, len, h.key, access::write);
-        if (!dst) {
-          // Refused: nothing is written; the payload is read and dropped.
-          ++stats_.refused;
-          skip_ = len;
-          send_reply(s, frame_type::put_ack, h.seq, wire_status::remote_access, nullptr, 0);
-          return true;
-        }
-        s->item.hdr.addr = h.seq;  // remembered for the ack
-        set_target(nullptr, s, *dst, len, 0);
-        return true;
-      }
-      case frame_type::get_request: {
-        reply_slot* s = take_slot();
-        if (s == nullptr) {
-          wait_ = rx_wait::slot;
-          return false;
-        }
-        consume_header();
-        result<std::byte*> src = registry_->resolve(h.addr, len, h.key, access::read);
-        if (!src) {
-          ++stats_.refused;
-          send_reply(s, frame_type::get_reply, h.seq, wire_status::remote_access, nullptr, 0);
-        } else {
-          // The payload goes to the wire straight from the registered memory.
-          // A registration revoked while it is written still finishes
-          // (registration.hpp: accesses being served finish).
-          ++stats_.served_gets;
-          send_reply(s, frame_type::get_reply, h.seq, wire_status::ok, *src, len);
-        }
-        return true;
-      }
-      case frame_type::put_ack:
-      case frame_type::get_reply: {
-        bool get = h.type == frame_type::get_reply;
-        if (get) large_ = len > opts_.eager_limit;
-        auto tag = static_cast<std::uint32_t>(h.addr);
-        consume_header();
-        if (!orphans_.empty() && orphans_.front().tag == tag) {
-          if (orphans_.front().get != get) {
-            protocol_fail(gdr::tcp::frame_status::bad_field);
-            return false;
-          }
-          orphans_.pop_front();
-          skip_ = len;  // a cancelled get: its data is dropped
-          return true;
-        }
-        endpoint_op* op = rma_.head;
-        if (op == nullptr || !op->tx_.sealed || op->tx_.hdr.seq != tag ||
-            (op->kind_ == endpoint_op::kind::get) != get) {
-          protocol_fail(gdr::tcp::frame_status::bad_field);  // a reply to nothing we asked
-          return false;
-        }
-        rma_.erase(op);
-        op->in_rma_ = false;
-        if (h.status != wire_status::ok) {
-          complete(*op, errc::remote_access);
-          return true;
-        }
-        if (!get) {
-          op->bytes_ = op->size_;
-          op->path_ = transfer_path::host_zero_copy;
-          complete(*op, {});
-          return true;
-        }
-        if (len != op->size_) {
-          protocol_fail(gdr::tcp::frame_status::bad_field);  // not what was asked for
-          return false;
-        }
-        set_target(op, nullptr, op->data_, len, 0);
-        return true;
-      }
-      case frame_type::close:
-        consume_header();
-        // The peer sends nothing more. Held early messages stay receivable;
-        // everything else fails.
-        fail(errc::connection_lost);
+      case proto::rx_plan::action::fail:
+        if (!failed()) protocol_fail(gdr::tcp::frame_status::bad_field);
         return false;
+      case proto::rx_plan::action::place: break;
     }
-    return false;
-  }
-
-  void consume_header() noexcept {
     rx_pos_ += wire::header_size;
     ++rx_seq_;
     ++stats_.frames_in;
+    large_ = r.header.length > direct_min_;
+    tgt_ = {};
+    tgt_.active = true;
+    tgt_.dst = plan.dst;
+    tgt_.want = plan.want;
+    tgt_.discard = plan.discard;
+    return !failed();
   }
 
-  void set_target(endpoint_op* op, reply_slot* s, std::byte* dst, std::size_t want, std::size_t discard) noexcept {
-    target_ = {};
-    target_.active = true;
-    target_.op = op;
-    target_.slot = s;
-    target_.dst = dst;
-    target_.want = want;
-    target_.discard = discard;
-  }
-
-  /// The current frame's payload is in place.
+  /// The current payload's wanted bytes are in place.
   void target_done() noexcept {
-    rx_target t = target_;
-    target_ = {};
+    rx_target t = std::exchange(tgt_, rx_target{});
     skip_ = t.discard;
-    if (t.slot != nullptr) {
-      ++stats_.served_puts;
-      send_reply(t.slot, frame_type::put_ack, static_cast<std::uint32_t>(t.slot->item.hdr.addr), wire_status::ok,
-                 nullptr, 0);
-      return;
-    }
-    endpoint_op& op = *t.op;
-    op.direct_target_ = false;
-    op.bytes_ = t.want;
-    op.path_ = t.direct ? transfer_path::host_zero_copy : transfer_path::host_eager;
-    complete(op, op.ec_);  // errc::truncated was noted when the frame began
+    on_placed(t.direct);
   }
 
   /// Reads are non-blocking recv() attempts made by the loop
   /// (endpoint_options::spin_reads_in_busy_poll).
   bool spinning() const noexcept {
-    return opts_.spin_reads_in_busy_poll && sched_->mode() == run_mode::busy_poll;
+    return topts_.spin_reads_in_busy_poll && sched().mode() == run_mode::busy_poll;
   }
 
   /// Reads into the staging buffer.
   void read_staging() noexcept {
     if (rx_pos_ == rx_end_) {
       rx_pos_ = rx_end_ = 0;
-    } else if (rx_cap_ - rx_end_ < wire::header_size + opts_.eager_limit && rx_pos_ != 0) {
-      // Slide the partial frame to the front so that a whole eager frame fits.
+    } else if (rx_cap_ - rx_end_ < wire::header_size + direct_min_ && rx_pos_ != 0) {
+      // Slide the partial frame to the front so that a header and a small
+      // payload fit.
       std::memmove(rx_buf_.get(), rx_buf_.get() + rx_pos_, rx_end_ - rx_pos_);
       rx_end_ -= rx_pos_;
       rx_pos_ = 0;
@@ -1352,20 +635,19 @@ class connection {
     // After a large payload, ask for one header only: the next payload is
     // likely large too and should go straight to its destination, not
     // through here.
-    if (large_ && rx_end_ == rx_pos_ && skip_ == 0 && !target_.active) n = wire::header_size;
+    if (large_ && rx_end_ == rx_pos_ && skip_ == 0 && !tgt_.active) n = wire::header_size;
     submit_read(rx_buf_.get() + rx_end_, n, 0, false, drained_);
   }
 
   /// Reads the rest of the current payload straight into its destination.
   void read_direct() noexcept {
-    target_.direct = true;
-    if (target_.op != nullptr) target_.op->direct_target_ = true;
+    tgt_.direct = true;
     ++stats_.direct_reads;
     // MSG_WAITALL: io_uring retries short stream reads itself, one CQE for the
     // whole rest; on cancellation or end of stream the CQE carries the bytes
     // already placed (io_uring/net.c, done_io). A spinning read takes
     // whatever has arrived; pump() asks for the rest.
-    submit_read(target_.dst + target_.done, target_.want - target_.done, MSG_WAITALL, true, false);
+    submit_read(tgt_.dst + tgt_.done, tgt_.want - tgt_.done, MSG_WAITALL, true, false);
   }
 
   /// Starts the one read of the reader: `n` bytes into `dst`. `flags` and
@@ -1381,13 +663,13 @@ class connection {
     ++stats_.reads;
     if (spinning() && start_spin()) return;
     // Inside an event handler, a staging read waits for the handler's end
-    // (leave): the coroutines it resumes queue their sends first, and the
-    // kernel runs SQEs in order. A reply then leaves before this side's
+    // (link_flush): the coroutines it resumes queue their sends first, and
+    // the kernel runs SQEs in order. A reply then leaves before this side's
     // poll is armed, not after. Nothing can observe the gap: read_inflight_
     // already holds the reader, and the buffer it reads into is the
     // connection's own. A direct read targets a user's buffer and is issued
     // at once (a cancellation may need to reach it).
-    if (busy_ > 0 && !direct) {
+    if (in_handler() && !direct) {
       read_deferred_ = true;
       return;
     }
@@ -1397,13 +679,12 @@ class connection {
   /// Hands the pending read to io_uring.
   void issue_read() noexcept {
     read_deferred_ = false;
-    io_uring_sqe* sqe = sched_->get_sqe();
+    io_uring_sqe* sqe = sched().get_sqe();
     if (sqe == nullptr) {
       // The SQ is full even after submitting (unreachable with sane ring
       // sizes): fail rather than stall silently.
       read_inflight_ = false;
-      if (read_direct_ && target_.op != nullptr) target_.op->direct_target_ = false;
-      fail(errno_code(EBUSY));
+      on_link_failed(errno_code(EBUSY));
       return;
     }
     io_uring_prep_recv(sqe, fd(), rd_.dst, rd_.n, rd_.flags);
@@ -1412,7 +693,7 @@ class connection {
     // the wait at once (io_uring.h, IORING_RECVSEND_POLL_FIRST, since 5.19).
     if (rd_.poll_first) sqe->ioprio |= IORING_RECVSEND_POLL_FIRST;
     io_uring_sqe_set_data(sqe, static_cast<operation*>(&read_op_));
-    sched_->note_submitted();
+    sched().note_submitted();
   }
 
   // ---------------------------------------------------------------- spinning reads
@@ -1438,14 +719,14 @@ class connection {
   bool start_spin() noexcept {
     if (!spin_registered_) {
       try {
-        sched_->add_poller(spin_);
+        sched().add_poller(spin_);
       } catch (...) {
         return false;
       }
       spin_registered_ = true;
     }
     spin_pending_ = true;
-    sched_->note_submitted();  // outstanding like an SQE's read: drain() waits for it
+    sched().note_submitted();  // outstanding like an SQE's read: drain() waits for it
     return true;
   }
 
@@ -1457,7 +738,7 @@ class connection {
       if (!spinning()) {
         // The loop left busy-poll mode: wait through io_uring instead.
         spin_pending_ = false;
-        sched_->note_done();
+        sched().note_done();
         enter();
         issue_read();
         leave();  // may free this
@@ -1470,7 +751,7 @@ class connection {
     }
     spin_pending_ = false;
     spin_cancel_ = false;
-    sched_->note_done();
+    sched().note_done();
     enter();
     read_done(res);
     leave();  // may free this
@@ -1488,30 +769,32 @@ class connection {
     read_inflight_ = false;
     std::size_t got = res > 0 ? static_cast<std::size_t>(res) : 0;
     if (read_direct_) {
-      target_.done += got;
-      endpoint_op* op = target_.op;
-      if (op != nullptr) op->direct_target_ = false;
-      if (op != nullptr && op->result_set_) {
-        // Its op was cancelled or failed while the kernel wrote: skip the rest.
-        release_target();
-        try_finish(*op);
-      } else if (target_.active && target_.done == target_.want) {
+      tgt_.done += got;
+      if (tgt_.aborted) {
+        // Stopped by the engine while the kernel wrote: skip the rest.
+        skip_ += (tgt_.want - tgt_.done) + tgt_.discard;
+        tgt_ = {};
+        on_target_released();
+      } else if (tgt_.active && tgt_.done == tgt_.want) {
         target_done();
       }
     } else {
       rx_end_ += got;
       drained_ = got < last_ask_;
     }
-    if (error_) {
-      // Failed while the read was in flight: a put being served is dropped.
-      if (target_.active && target_.op == nullptr) release_target();
-      if (close_op_ != nullptr) try_finish(*close_op_);
-      return;
-    }
-    if (res == 0 || (res < 0 && res != -ECANCELED && res != -EINTR && res != -EAGAIN)) {
+    if (!failed() && (res == 0 || (res < 0 && res != -ECANCELED && res != -EINTR && res != -EAGAIN))) {
       // End of stream without a close frame, or a reset: the peer is gone.
-      fail(connection_error(res));
-      if (close_op_ != nullptr) try_finish(*close_op_);
+      on_link_failed(connection_error(res));
+    }
+    if (failed()) {
+      if (tgt_.active && read_direct_ && !tgt_.aborted) {
+        // Failed while the kernel wrote into a destination the engine still
+        // counts as being placed: it is free now.
+        tgt_ = {};
+        on_target_released();
+      }
+      return_dropped();
+      on_io_done();
       return;
     }
     pump();
@@ -1519,26 +802,16 @@ class connection {
 
   // ---------------------------------------------------------------- state
 
-  scheduler* sched_;
   gdr::tcp::socket sock_;
-  memory_registry* registry_;
-  endpoint_options opts_;
+  endpoint_options topts_;
   endpoint_stats stats_{};
-  transfer_path last_path_ = transfer_path::none;
-  std::error_code error_{};
   gdr::tcp::frame_status protocol_reason_ = gdr::tcp::frame_status::ok;
-  bool closing_ = false;
-  bool abandoned_ = false;
-  endpoint_op* close_op_ = nullptr;
-  int busy_ = 0;
-  std::size_t attached_ = 0;  // operations suspended and not yet resumed
-  endpoint_op* ready_head_ = nullptr;
-  endpoint_op* ready_tail_ = nullptr;
   kick_node kick_{};
   bool kick_posted_ = false;
 
   // writer
-  fifo<tx_item, &tx_item::prev, &tx_item::next> tx_{};
+  proto::fifo<frame, &frame::prev, &frame::next> tx_{};
+  proto::fifo<frame, &frame::prev, &frame::next> dropped_{};  // to hand back (failed)
   std::size_t batch_n_ = 0;  // frames at the head of tx_ in the write in flight
   std::uint32_t tx_seq_ = 0;
   conn_op write_op_{};
@@ -1546,7 +819,8 @@ class connection {
   bool zc_write_ = false;
   bool small_ = false;           // the current batch is copied into small_buf_
   bool write_blocked_ = false;   // a direct write came back short: next write through io_uring
-  bool write_deferred_ = false;  // frames queued in a handler, written at its end (leave)
+  bool write_deferred_ = false;  // frames queued in a handler, written at its end (link_flush)
+  bool handler_wrote_ = false;   // this handler made its one direct write
   int zc_result_ = 0;
   msghdr msg_{};
   iovec iov_[2 * max_batch]{};
@@ -1567,129 +841,19 @@ class connection {
   bool spin_registered_ = false;  // spin_ is one of the scheduler's pollers
   bool spin_pending_ = false;     // the read in flight is a spinning one
   bool spin_cancel_ = false;      // ... and is to end with -ECANCELED
-  rx_wait wait_ = rx_wait::none;
+  bool rx_paused_ = false;        // the engine paused on the header at rx_pos_
   std::unique_ptr<std::byte[]> rx_buf_;
   std::size_t rx_cap_ = 0;
   std::size_t rx_pos_ = 0;
   std::size_t rx_end_ = 0;
+  std::size_t direct_min_ = 0;
   std::uint64_t skip_ = 0;
   std::uint32_t rx_seq_ = 0;
   bool large_ = false;
-  bool drained_ = false;       // the last staging read emptied the socket
+  bool drained_ = false;      // the last staging read emptied the socket
   std::size_t last_ask_ = 0;  // bytes the read in flight asked for
-  rx_target target_{};
-  message_store store_;
-  fifo<endpoint_op, &endpoint_op::prev_, &endpoint_op::next_> recvs_{};
-  fifo<endpoint_op, &endpoint_op::prev_, &endpoint_op::next_> rma_{};
-  std::deque<orphan> orphans_;
-  std::unique_ptr<reply_slot[]> slots_;
-  reply_slot* free_slots_ = nullptr;
+  rx_target tgt_{};
 };
-
-// ---------------------------------------------------------------- endpoint_op
-
-inline bool endpoint_op::start(std::coroutine_handle<> h, std::stop_token coro_stop) noexcept {
-  assert(conn_ != nullptr && "gdr::tcp: operation on an endpoint that holds no connection");
-  assert(scheduler::current() == &conn_->sched() &&
-         "gdr::tcp: await an endpoint's operations on its scheduler's thread");
-  if (coro_stop.stop_requested() || opts_.stop.stop_requested()) {
-    ec_ = errc::cancelled;
-    conn_->record(*this);
-    return false;
-  }
-  waiter_ = h;
-  if (!conn_->begin(*this)) {
-    if (!result_set_) result_set_ = true;
-    finished_ = true;
-    conn_->record(*this);
-    return false;
-  }
-  // Pending. Nothing can resume it before we return: completions are
-  // resumed from the loop, never from inside this call.
-  pending_ = 1;
-  conn_->note_attached();
-  cancel_.self = this;
-  cancel_.run = &on_cancel_node;
-  if (opts_.timeout.count() > 0 && !arm_timer()) {
-    // No SQE for the timer (the SQ is full even after submitting): give up
-    // through the loop, like a cancellation.
-    cancel_reason_ = errc::busy;
-    on_stop_requested();
-  }
-  if (opts_.stop.stop_possible()) stop_user_.emplace(opts_.stop, canceller{this});
-  if (coro_stop.stop_possible()) stop_coro_.emplace(std::move(coro_stop), canceller{this});
-  return true;
-}
-
-inline bool endpoint_op::arm_timer() noexcept {
-  scheduler& s = conn_->sched();
-  io_uring_sqe* sqe = s.get_sqe();
-  if (sqe == nullptr) return false;
-  auto d = opts_.timeout;
-  ts_.tv_sec = static_cast<long long>(d.count() / 1'000'000'000);
-  ts_.tv_nsec = static_cast<long long>(d.count() % 1'000'000'000);
-  timer_.self = this;
-  timer_.complete = &on_timer;
-  io_uring_prep_timeout(sqe, &ts_, 0, 0);
-  io_uring_sqe_set_data(sqe, static_cast<operation*>(&timer_));
-  s.note_submitted();
-  timer_armed_ = true;
-  ++pending_;
-  return true;
-}
-
-// Any thread (a stop callback). Only posts: the loop's thread does the rest.
-inline void endpoint_op::on_stop_requested() noexcept {
-  if (!cancel_posted_.exchange(true, std::memory_order_acq_rel)) conn_->sched().post(&cancel_);
-}
-
-inline void endpoint_op::on_cancel_node(remote_work* w) noexcept {
-  endpoint_op* op = static_cast<cancel_node*>(w)->self;
-  connection* c = op->conn_;
-  c->enter();
-  op->cancel_ran_ = true;
-  if (op->finished_) {
-    op->release();  // finish() waited for this node
-  } else {
-    c->cancel(*op, op->cancel_reason_);
-  }
-  c->leave();
-}
-
-inline void endpoint_op::on_timer(operation* o, int res, std::uint32_t) noexcept {
-  endpoint_op* op = static_cast<timer_node*>(o)->self;
-  connection* c = op->conn_;
-  c->enter();
-  op->timer_fired_ = true;
-  // -ETIME: the timeout expired. -ECANCELED: finish() removed it.
-  if (res == -ETIME && !op->result_set_) c->cancel(*op, errc::timed_out);
-  op->release();
-  c->leave();
-}
-
-inline void endpoint_op::finish() noexcept {
-  finished_ = true;
-  // Destroying a stop callback waits for one running on another thread;
-  // after this, no callback can post the cancel node any more.
-  stop_user_.reset();
-  stop_coro_.reset();
-  if (cancel_posted_.load(std::memory_order_acquire) && !cancel_ran_) ++pending_;  // its node lives here
-  if (timer_armed_ && !timer_fired_) {
-    // Remove the timer; its CQE (-ECANCELED) still comes and is waited for,
-    // because the timer lives in this frame. Without a free SQE it simply
-    // expires on its own, within the timeout.
-    if (io_uring_sqe* sqe = conn_->sched().get_sqe()) {
-      io_uring_prep_timeout_remove(sqe, timer_.user_data(), 0);
-      io_uring_sqe_set_data64(sqe, gdr::detail::ignore_tag);
-    }
-  }
-  conn_->record(*this);
-  release();
-}
-
-inline void endpoint_op::release() noexcept {
-  if (--pending_ == 0) conn_->push_ready(*this);
-}
 
 }  // namespace detail::tcp
 

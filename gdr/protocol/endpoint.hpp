@@ -1,0 +1,295 @@
+/// \file
+/// `gdr::basic_endpoint<Transport>`: the one endpoint API every transport
+/// shares (send, recv, put, get, close, and what happened), over the
+/// protocol engine (`gdr/protocol/engine.hpp`); and `gdr::endpoint`, the
+/// same API over a transport chosen at run time (a mesh whose peers are
+/// reached by different transports).
+///
+/// The memory spaces an endpoint moves are checked at compile time against
+/// the transport's rows of the path table: a combination no path supports
+/// does not compile, with a message that says what to do instead.
+///
+/// \code
+///   gdr::tcp::endpoint ep = co_await gdr::tcp::connect(sched, "127.0.0.1:5000");
+///   co_await ep.send(gdr::host_view(out));                 // tag 0
+///   co_await ep.send(gdr::host_view(meta), gdr::tag{1});   // an independent stream
+///   std::size_t n = co_await ep.recv(gdr::host_view(in));  // the next tag-0 message
+///   gdr::op_report r = co_await ep.recv(gdr::host_view(in)).report();  // never throws
+///   co_await ep.close();
+/// \endcode
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include <gdr/error.hpp>
+#include <gdr/memory/remote_view.hpp>
+#include <gdr/memory/space.hpp>
+#include <gdr/memory/view.hpp>
+#include <gdr/protocol/engine.hpp>
+#include <gdr/protocol/options.hpp>
+#include <gdr/transport/common.hpp>
+
+namespace gdr {
+
+/// Awaitable of every endpoint operation: `co_await` gives the byte count
+/// (0 for close) or throws `gdr::error`; `co_await std::move(op).as_result()`
+/// gives `result<std::size_t>`; `co_await std::move(op).report()` gives an
+/// `op_report`. Forgetting the `co_await` is a warning (`[[nodiscard]]`).
+using op_awaitable = detail::proto::op;
+
+namespace detail::proto {
+
+template <class>
+inline constexpr bool always_false = false;
+
+/// The view behind an operation's argument: a view itself, or what a
+/// buffer hands out.
+template <class T, class S>
+constexpr view<T, S> as_view(view<T, S> v) noexcept {
+  return v;
+}
+template <class B>
+  requires requires(B& b) { b.view(); }
+constexpr auto as_view(B& b) noexcept {
+  return b.view();
+}
+
+/// A view, or something that hands one out (`buffer<T, S>`): what the
+/// endpoint operations take.
+template <class V>
+concept viewable = requires(V& v) {
+  typename std::remove_cvref_t<decltype(gdr::detail::proto::as_view(v))>::space;
+};
+
+/// The compile-time check of one operation's spaces against the transport's
+/// path table (`transport_traits` rows until the path table lands).
+template <class Transport, class S>
+constexpr void check_space() noexcept {
+  static_assert(transport_supports<Transport, S>,
+                "gdr endpoint: no path moves this memory space over this transport "
+                "(transport_traits<Transport, S>::supported is false). Device memory needs a staged path: "
+                "copy it into a gdr::Pinned buffer first (co_await gdr::copy(dst, src, stream)) and send "
+                "that, or use another transport (CUDA IPC within a node, verbs with GPUDirect RDMA across "
+                "nodes).");
+}
+
+}  // namespace detail::proto
+
+/// One connected endpoint of transport `Transport` (see the file comment).
+/// Move-only. Made by the transport (`tcp::connect`, `listener::accept`,
+/// `loopback::make_pair`).
+///
+/// Destroying an open endpoint aborts its connection (pending operations
+/// fail with `errc::closed`) and is safe at any time; the connection frees
+/// itself once its transport is quiet. `co_await ep.close()` ends it in
+/// order.
+///
+/// Thread-safety: operations are started and awaited on the endpoint's
+/// scheduler's thread and resume there; `stats()` and `last_path()`
+/// likewise. Stop requests may come from any thread.
+template <class Transport>
+class basic_endpoint {
+ public:
+  /// The counters type of this transport.
+  using stats_type = typename Transport::stats_type;
+
+  /// An endpoint with no connection (what a moved-from one is): `is_open()`
+  /// is false; starting an operation on it is a bug.
+  basic_endpoint() noexcept = default;
+  /// Takes over engine `e` (made by the transport).
+  explicit basic_endpoint(detail::proto::engine* e) noexcept : eng_(e) {}
+
+  basic_endpoint(basic_endpoint&& o) noexcept : eng_(std::exchange(o.eng_, nullptr)) {}
+  basic_endpoint& operator=(basic_endpoint&& o) noexcept {
+    if (this != &o) {
+      reset();
+      eng_ = std::exchange(o.eng_, nullptr);
+    }
+    return *this;
+  }
+  basic_endpoint(const basic_endpoint&) = delete;
+  basic_endpoint& operator=(const basic_endpoint&) = delete;
+  ~basic_endpoint() { reset(); }
+
+  /// Sends `v` (a view or a buffer) as one message of tag `t`. Completes
+  /// with `v`'s size once `v` may be reused: the message is in the
+  /// transport (eager) or has been written out (rendezvous, after the
+  /// receiver's receive was posted).
+  ///
+  /// Errors: `errc::closed`, `errc::connection_lost`, `errc::peer_closed`,
+  /// `errc::protocol_error`, `errc::message_too_large` (over the peer's
+  /// limit; nothing sent), `errc::cancelled` / `errc::timed_out` (only while
+  /// not committed: see `gdr/protocol/engine.hpp`).
+  template <detail::proto::viewable V>
+  [[nodiscard]] op_awaitable send(V&& v, tag t, op_options opts = {}) const noexcept {
+    auto w = detail::proto::as_view(v);
+    detail::proto::check_space<Transport, typename decltype(w)::space>();
+    auto b = w.as_bytes();
+    // The engine only reads through a send's pointer.
+    return {eng_, op_awaitable::kind::send, const_cast<std::byte*>(b.data()), b.size(),
+            static_cast<std::uint64_t>(t), std::move(opts)};
+  }
+  /// Sends `v` as one message of tag 0.
+  template <detail::proto::viewable V>
+  [[nodiscard]] op_awaitable send(V&& v, op_options opts = {}) const noexcept {
+    return send(std::forward<V>(v), tag{0}, std::move(opts));
+  }
+
+  /// Receives the next message of tag `t` into `v`. Completes with the
+  /// message's size.
+  ///
+  /// Errors: as `send`, plus `errc::truncated` (the message was larger than
+  /// `v`: `v` holds its first bytes; the error's text and `.report()` say
+  /// how large it was).
+  template <detail::proto::viewable V>
+  [[nodiscard]] op_awaitable recv(V&& v, tag t, op_options opts = {}) const noexcept {
+    auto w = detail::proto::as_view(v);
+    using W = decltype(w);
+    detail::proto::check_space<Transport, typename W::space>();
+    static_assert(!std::is_const_v<typename W::element_type>,
+                  "gdr endpoint recv: cannot receive into a view of const elements");
+    auto b = w.as_bytes();
+    return {eng_, op_awaitable::kind::recv, b.data(), b.size(), static_cast<std::uint64_t>(t), std::move(opts)};
+  }
+  /// Receives the next message of tag 0 into `v`.
+  template <detail::proto::viewable V>
+  [[nodiscard]] op_awaitable recv(V&& v, op_options opts = {}) const noexcept {
+    return recv(std::forward<V>(v), tag{0}, std::move(opts));
+  }
+
+  /// A `remote_view` names the peer's memory: it cannot be sent or
+  /// received as a message.
+  template <class T, class S, class... A>
+  op_awaitable send(remote_view<T, S>, A&&...) const noexcept {
+    static_assert(detail::proto::always_false<T>,
+                  "gdr endpoint: ep.send(remote_view) - a remote_view names the peer's registered memory and "
+                  "cannot be sent as a message. Write into it with co_await ep.put(local_view, remote) or read "
+                  "it with co_await ep.get(local_view, remote).");
+    return {nullptr, op_awaitable::kind::send, nullptr, 0, 0, {}};
+  }
+  template <class T, class S, class... A>
+  op_awaitable recv(remote_view<T, S>, A&&...) const noexcept {
+    static_assert(detail::proto::always_false<T>,
+                  "gdr endpoint: ep.recv(remote_view) - a remote_view names the peer's registered memory and "
+                  "cannot receive a message. Read it with co_await ep.get(local_view, remote).");
+    return {nullptr, op_awaitable::kind::recv, nullptr, 0, 0, {}};
+  }
+
+  /// Writes `local` into the peer's registered memory at `remote` (at least
+  /// as large). Completes with the byte count once the peer has placed the
+  /// bytes and acknowledged them.
+  ///
+  /// Errors: `errc::remote_access` (outside a registration, wrong key,
+  /// revoked, or not writable: the peer wrote nothing), `errc::invalid_argument`
+  /// (`local` larger than `remote`), and the errors of `send`.
+  template <detail::proto::viewable V, class U, class RS>
+  [[nodiscard]] op_awaitable put(V&& local, remote_view<U, RS> remote, op_options opts = {}) const noexcept {
+    auto w = detail::proto::as_view(local);
+    using W = decltype(w);
+    detail::proto::check_space<Transport, typename W::space>();
+    detail::proto::check_space<Transport, RS>();
+    static_assert(std::is_same_v<std::remove_const_t<typename W::element_type>, std::remove_const_t<U>>,
+                  "gdr endpoint put: the local and remote element types differ");
+    auto b = w.as_bytes();
+    return {eng_,          op_awaitable::kind::put, const_cast<std::byte*>(b.data()), b.size(), remote.address(),
+            remote.size_bytes(), remote.key(), std::move(opts)};
+  }
+
+  /// Reads `local`'s size of the peer's registered memory at `remote` (at
+  /// least as large) into `local`. Errors as `put`, with read permission
+  /// checked instead.
+  template <detail::proto::viewable V, class U, class RS>
+  [[nodiscard]] op_awaitable get(V&& local, remote_view<U, RS> remote, op_options opts = {}) const noexcept {
+    auto w = detail::proto::as_view(local);
+    using W = decltype(w);
+    detail::proto::check_space<Transport, typename W::space>();
+    detail::proto::check_space<Transport, RS>();
+    static_assert(!std::is_const_v<typename W::element_type>,
+                  "gdr endpoint get: cannot read into a view of const elements");
+    static_assert(std::is_same_v<typename W::element_type, std::remove_const_t<U>>,
+                  "gdr endpoint get: the local and remote element types differ");
+    auto b = w.as_bytes();
+    return {eng_,          op_awaitable::kind::get, b.data(), b.size(), remote.address(), remote.size_bytes(),
+            remote.key(), std::move(opts)};
+  }
+
+  /// Closes the endpoint in order: waits for the operations already started
+  /// that write (sends, puts, gets) to go out, tells the peer, then fails
+  /// what is still pending (receives, unanswered puts and gets) with
+  /// `errc::closed`. The peer's pending operations fail with
+  /// `errc::peer_closed` after it has received everything sent before.
+  /// Completes once the transport holds nothing of this endpoint. A timeout
+  /// or stop aborts the flush (`errc::timed_out` / `errc::cancelled`).
+  /// Closing a failed or closed endpoint succeeds.
+  [[nodiscard]] op_awaitable close(op_options opts = {}) const noexcept {
+    return {eng_, op_awaitable::kind::close, nullptr, 0, 0, std::move(opts)};
+  }
+
+  /// Holds a connection that has neither failed nor been closed.
+  bool is_open() const noexcept { return eng_ != nullptr && !eng_->state_error(); }
+  /// Why the endpoint stopped working (`errc::connection_lost`,
+  /// `errc::peer_closed`, `errc::protocol_error`, `errc::closed`), or no
+  /// error while open.
+  std::error_code error() const noexcept { return eng_ ? eng_->state_error() : std::error_code(errc::closed); }
+  /// The path of the last successful operation.
+  transfer_path last_path() const noexcept { return eng_ ? eng_->last_path() : transfer_path::none; }
+  /// Counters of this endpoint.
+  const stats_type& stats() const noexcept {
+    static const stats_type none{};
+    return eng_ ? static_cast<const stats_type&>(eng_->pstats()) : none;
+  }
+  /// The scheduler whose thread runs this endpoint.
+  scheduler& get_scheduler() const noexcept { return eng_->sched(); }
+  /// The largest message the peer accepts (0 until its handshake arrived).
+  std::uint64_t peer_max_message() const noexcept { return eng_ ? eng_->peer_max_message() : 0; }
+
+ protected:
+  detail::proto::engine* engine_ptr() const noexcept { return eng_; }
+  detail::proto::engine* release() noexcept { return std::exchange(eng_, nullptr); }
+
+ private:
+  template <class>
+  friend class basic_endpoint;
+
+  void reset() noexcept {
+    if (eng_ != nullptr) std::exchange(eng_, nullptr)->abandon();
+  }
+
+  detail::proto::engine* eng_ = nullptr;
+};
+
+/// The tag of a transport chosen at run time (`gdr::endpoint`): it moves
+/// what every transport moves (host memory).
+struct any_transport {
+  static constexpr const char* name = "any";
+  using stats_type = protocol_stats;
+};
+
+template <>
+struct transport_traits<any_transport, Host> {
+  static constexpr bool zero_copy = true;
+  static constexpr bool supported = true;
+};
+template <>
+struct transport_traits<any_transport, Pinned> {
+  static constexpr bool zero_copy = true;
+  static constexpr bool supported = true;
+};
+
+/// An endpoint whose transport was chosen at run time: made from any
+/// transport's endpoint (`gdr::endpoint e = std::move(tcp_ep);`), with the
+/// same operations and rules. Memory spaces are checked against what every
+/// transport moves (Host and Pinned).
+class endpoint : public basic_endpoint<any_transport> {
+ public:
+  endpoint() noexcept = default;
+  /// Takes over `o`'s connection.
+  template <class Transport>
+  endpoint(basic_endpoint<Transport>&& o) noexcept  // NOLINT: implicit by design
+      : basic_endpoint<any_transport>(o.release()) {}
+};
+
+}  // namespace gdr

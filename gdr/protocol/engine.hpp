@@ -1,0 +1,1441 @@
+/// \file
+/// The protocol layer: one engine per endpoint, the same for every
+/// transport. It owns the endpoint's operations and everything that makes
+/// them correct: matching receives to messages by tag, the bounded store of
+/// early messages, eager and rendezvous sends, truncation, one-sided
+/// requests and their answers, cancellation and timeouts, failure, and the
+/// per-operation records and counters. A transport derives from `engine`
+/// and only moves bytes (see "The transport's side" below).
+///
+/// How it works
+/// ============
+/// An engine lives on the heap and belongs to one scheduler; everything
+/// here runs on that scheduler's thread (stop requests from other threads
+/// are posted to it). The endpoint object owns it; once the endpoint is
+/// gone the engine frees itself when the transport is quiet and every
+/// operation has resumed (`abandon`).
+///
+/// Messages. A send of at most `rendezvous_threshold` bytes goes *eager*:
+/// the whole message in one `eager` frame. The receiver places it straight
+/// into the first posted receive of its tag, or keeps a copy if none is
+/// posted and the store has room (`unexpected_bytes`,
+/// `unexpected_messages`); otherwise it stops reading until a receive is
+/// posted, so the transport's own flow control holds the sender back. A
+/// larger send goes by *rendezvous*: an `rts` announces it; the receive
+/// that matches it answers `rtr` with a token and the bytes it accepts;
+/// the sender then writes the bytes in a `data` frame that the receiver
+/// places straight into that receive. An unmatched announcement costs the
+/// receiver a small record, never the message's bytes, and never blocks
+/// the messages behind it. Every send announces at once, so many
+/// rendezvous are in flight together.
+///
+/// Matching. Receives match messages of the same tag in the order both
+/// were started (eager and announced messages alike). A message larger than
+/// its receive fills the view, the rest is dropped (eager) or never sent
+/// (rendezvous: the `rtr` accepts only the view's size), and the receive
+/// fails with `errc::truncated`, reporting the message's size.
+///
+/// Handshake. Each side's first frame is `hello` (protocol version, the
+/// largest message it accepts, capabilities). Sends, puts and gets wait
+/// for the peer's hello before they go out; one larger than the peer
+/// accepts fails alone (`errc::message_too_large`).
+///
+/// Completion and resumption. Whatever decides an operation's outcome (a
+/// frame, a timer, a stop request, a failure) only records it; the
+/// operation resumes from the ready list at the end of the current event
+/// handler (`leave`), when the engine's state is consistent, and only once
+/// the transport no longer uses the operation's memory: none of its frames
+/// is being written and no payload is being placed into its view.
+///
+/// Cancellation and timeouts: withdrawn until committed, then it completes.
+///   * A receive stops at once. If its message was being placed, the rest
+///     is dropped; if it had answered an `rts`, the data that comes is
+///     dropped (the sender completes normally).
+///   * An eager send is withdrawn while its frame waits in the transport;
+///     once the transport has committed it, it completes normally.
+///   * A rendezvous send is withdrawn while its `rts` waits; once the `rts`
+///     is out, a stop sends `rts_cancel`, and the peer answers
+///     `rts_withdrawn` (the send fails with the stop's reason) or, if a
+///     receive had already matched it, the `rtr` (the send is committed and
+///     completes normally).
+///   * A put or get stops at once unless its request is being written; a
+///     late answer is dropped.
+///
+/// Failure. When the transport fails (peer gone, protocol error) or the
+/// endpoint closes, every pending and later operation fails with that
+/// error, in order; messages already kept remain receivable.
+///
+/// The transport's side
+/// ====================
+/// A transport derives from `engine`, implements the `link_*` hooks, and
+/// calls the `on_*` events, on the engine's thread, between `enter()` and
+/// `leave()`:
+///   * `link_post(frame&)`: queue a frame (a `header` and a payload
+///     pointer) to be sent in order. Exactly one `on_sent(f, ec)` follows,
+///     when the payload memory is no longer needed (written, or failed),
+///     unless `link_withdraw(f)` took it back first. `link_committed(f)`:
+///     it can no longer be withdrawn.
+///   * Receiving is header first: for each frame the transport calls
+///     `on_header(h)` before reading any payload byte; the plan it gets
+///     says where the payload goes (`dst`, `want` bytes, then `discard`
+///     bytes to drop), or to pause (nothing consumed: the transport offers
+///     the same header again after `link_resume()`), or that the header is
+///     a protocol error. After placing `want` bytes it calls `on_placed`.
+///     `link_abort_target()` stops a placement early (a cancelled receive):
+///     the transport drops the rest and says when the memory is free.
+///   * `on_link_failed(ec)` once, when the connection breaks; then every
+///     posted frame comes back through `on_sent` with an error.
+///   * `link_shutdown()`: the engine failed or closed; stop the connection.
+///   * `link_flush()`: the end of an outermost handler, after the ready
+///     operations resumed (a transport writes what they queued).
+///   * `link_quiet()`: no kernel request of the transport is in flight.
+#pragma once
+
+#include <liburing.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cassert>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <optional>
+#include <stop_token>
+#include <utility>
+#include <vector>
+
+#include <gdr/coro/task.hpp>
+#include <gdr/error.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/protocol/message.hpp>
+#include <gdr/protocol/options.hpp>
+#include <gdr/sched/operation.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/common.hpp>
+
+namespace gdr::detail::proto {
+
+class engine;
+class op;
+struct reply_slot;
+
+/// Doubly linked intrusive FIFO over `T::*Prev` / `T::*Next`.
+template <class T, T* T::*Prev, T* T::*Next>
+struct fifo {
+  T* head = nullptr;
+  T* tail = nullptr;
+  std::size_t size = 0;
+
+  bool empty() const noexcept { return head == nullptr; }
+  void push_back(T* n) noexcept {
+    n->*Prev = tail;
+    n->*Next = nullptr;
+    (tail ? tail->*Next : head) = n;
+    tail = n;
+    ++size;
+  }
+  void erase(T* n) noexcept {
+    (n->*Prev ? (n->*Prev)->*Next : head) = n->*Next;
+    (n->*Next ? (n->*Next)->*Prev : tail) = n->*Prev;
+    n->*Prev = n->*Next = nullptr;
+    --size;
+  }
+  T* pop_front() noexcept {
+    T* n = head;
+    if (n != nullptr) erase(n);
+    return n;
+  }
+};
+
+/// An outgoing frame: the protocol's header and payload, plus the
+/// transport's bookkeeping of it. Lives in an operation or a reply slot.
+struct frame {
+  header hdr{};
+  const std::byte* payload = nullptr;  ///< `hdr.length` bytes
+  op* owner = nullptr;                 ///< the operation it belongs to, or
+  reply_slot* slot = nullptr;          ///< the reply slot it belongs to (or neither: the engine's own)
+  // ---- the transport's (queue links, progress, its encoding of the header) ----
+  frame* prev = nullptr;
+  frame* next = nullptr;
+  std::size_t written = 0;
+  bool queued = false;     ///< in the transport's queue (posted, no on_sent yet)
+  bool sealed = false;     ///< committed: can no longer be withdrawn
+  bool in_flight = false;  ///< part of a write the kernel is doing now
+  std::uint8_t where = 0;  ///< which of the transport's lists holds it
+  std::uint32_t seq = 0;
+  alignas(8) std::byte encoded[64]{};
+};
+
+/// A frame this side owes its peer (an answer), with what it holds.
+struct reply_slot {
+  frame f{};
+  access_lease lease{};  ///< a get's source memory, held until written
+  reply_slot* next_free = nullptr;
+};
+
+/// An early message: eager bytes kept, or an announcement (`rts`).
+struct early_msg {
+  early_msg* prev = nullptr;
+  early_msg* next = nullptr;
+  std::uint64_t tag = 0;
+  std::uint64_t size = 0;  ///< message bytes
+  std::uint64_t sid = 0;   ///< rts: the sender's send id
+  bool rts = false;
+  std::unique_ptr<std::byte[]> bytes;  ///< eager: the message
+};
+
+/// Where the transport is to put a payload (`engine::on_header`).
+struct rx_plan {
+  enum class action : std::uint8_t {
+    place,  ///< `want` bytes to `dst`, then drop `discard` bytes, then on_placed()
+    pause,  ///< nothing consumed: offer this header again after link_resume()
+    fail,   ///< a protocol error: the header is not acceptable
+  };
+  action act = action::place;
+  std::byte* dst = nullptr;
+  std::size_t want = 0;
+  std::uint64_t discard = 0;
+};
+
+/// A send, recv, put, get or close: the awaitable, its queue links, its
+/// frames and its completion. Lives in the awaiting coroutine's frame.
+///
+/// Life: built with its parameters (movable until awaited). `await_suspend`
+/// completes it at once (returns false) or hands it to the engine. From then
+/// on the engine decides its result (`engine::complete`) and calls `finish`
+/// once the transport no longer uses its memory; `finish` waits for the
+/// op's timer CQE and a posted cancellation, if any, then puts it on the
+/// engine's ready list, which resumes it.
+class op {
+ public:
+  enum class kind : std::uint8_t { send, recv, put, get, close };
+
+  op(engine* e, kind k, std::byte* data, std::size_t size, std::uint64_t tag, op_options opts) noexcept
+      : eng_(e), data_(data), size_(size), tag_(tag), opts_(std::move(opts)), kind_(k) {}
+
+  op(engine* e, kind k, std::byte* data, std::size_t size, std::uint64_t raddr, std::size_t rsize, std::uint64_t rkey,
+     op_options opts) noexcept
+      : eng_(e), data_(data), size_(size), raddr_(raddr), rsize_(rsize), rkey_(rkey), opts_(std::move(opts)),
+        kind_(k) {}
+
+  // Movable only before it is awaited (it is then only its parameters).
+  op(op&& o) noexcept
+      : eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
+        rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_) {}
+  op& operator=(op&&) = delete;
+
+  bool await_ready() const noexcept { return false; }
+
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) noexcept {
+    return start(h, stop_token_of(h));
+  }
+
+  /// Bytes moved (sent, received into the view, put or got). Throws
+  /// `gdr::error`; a truncated receive's message says the message's size.
+  std::size_t await_resume() {
+    if (ec_) throw_error();
+    return bytes_;
+  }
+
+  /// The same operation, but `co_await` returns `result<std::size_t>`.
+  [[nodiscard]] auto as_result() && noexcept {
+    struct adapter : op {
+      explicit adapter(op&& o) noexcept : op(std::move(o)) {}
+      [[nodiscard]] result<std::size_t> await_resume() noexcept {
+        if (this->ec_) return this->ec_;
+        return this->bytes_;
+      }
+    };
+    return adapter{std::move(*this)};
+  }
+
+  /// The same operation, but `co_await` returns its `op_report` (error,
+  /// bytes, the message's size, tag, path and protocol) and never throws.
+  [[nodiscard]] auto report() && noexcept {
+    struct adapter : op {
+      explicit adapter(op&& o) noexcept : op(std::move(o)) {}
+      [[nodiscard]] op_report await_resume() noexcept { return this->make_report(); }
+    };
+    return adapter{std::move(*this)};
+  }
+
+ protected:
+  op_report make_report() const noexcept {
+    return {ec_, bytes_, msg_size_, tag_, path_, proto_};
+  }
+
+ private:
+  friend class engine;
+
+  enum class stage : std::uint8_t {
+    idle,         // not started or finished
+    held,         // waits for the peer's hello
+    queued,       // send/put/get: its first frame is posted
+    announced,    // rendezvous send: rts posted, no rtr yet
+    withdrawing,  // rendezvous send: rts_cancel posted, waiting for rts_withdrawn or rtr
+    sending,      // rendezvous send: data posted (committed)
+    posted,       // recv: waiting for a message
+    placing,      // recv/get: its payload is being placed
+    awaiting,     // recv: rtr sent, waiting for data; put/get: waiting for the answer
+  };
+
+  struct canceller {
+    op* self;
+    void operator()() const noexcept { self->on_stop_requested(); }
+  };
+  struct cancel_node : remote_work {
+    op* self = nullptr;
+  };
+  struct timer_node : operation {
+    op* self = nullptr;
+  };
+
+  [[noreturn]] void throw_error() const;
+  inline bool start(std::coroutine_handle<> h, std::stop_token coro_stop) noexcept;
+  inline void on_stop_requested() noexcept;
+  inline static void on_cancel_node(remote_work* w) noexcept;
+  inline static void on_timer(operation* op, int res, std::uint32_t flags) noexcept;
+  inline bool arm_timer() noexcept;
+  inline void finish() noexcept;
+  inline void release() noexcept;
+
+  // ---- parameters ----
+  engine* eng_;
+  std::byte* data_;
+  std::size_t size_;
+  std::uint64_t tag_ = 0;
+  std::uint64_t raddr_ = 0;
+  std::size_t rsize_ = 0;
+  std::uint64_t rkey_ = 0;
+  op_options opts_;
+  kind kind_;
+
+  // ---- state (loop thread) ----
+  stage stage_ = stage::idle;
+  bool result_set_ = false;  // the outcome is decided
+  bool finished_ = false;    // finish() ran
+  bool placing_ = false;     // the transport is placing a payload into data_
+  bool timer_armed_ = false;
+  bool timer_fired_ = false;
+  bool cancel_ran_ = false;
+  int pending_ = 0;  // events to come before resumption: the result, the timer, a posted cancel
+  std::error_code ec_{};
+  std::error_code stop_reason_{};  // a stop that waits for an rts_withdrawn or a commit
+  std::size_t bytes_ = 0;
+  std::size_t msg_size_ = 0;
+  std::uint64_t id_ = 0;  // send id, rendezvous token, or request id
+  transfer_path path_ = transfer_path::none;
+  wire_protocol proto_ = wire_protocol::none;
+
+ public:  // links of the engine's lists (fifo needs them as template arguments)
+  op* prev_ = nullptr;  // the one engine list it is in
+  op* next_ = nullptr;
+
+ private:
+  op* ready_next_ = nullptr;
+  std::coroutine_handle<> waiter_{};
+  frame f1_{};  // eager, rts, put/get request, rtr, close
+  frame f2_{};  // rendezvous data
+  frame f3_{};  // rts_cancel
+
+  // ---- cancellation (the callbacks may run on any thread) ----
+  std::optional<std::stop_callback<canceller>> stop_user_{};
+  std::optional<std::stop_callback<canceller>> stop_coro_{};
+  std::atomic<bool> cancel_posted_{false};
+  std::error_code cancel_reason_{errc::cancelled};  // what the posted cancellation reports
+  cancel_node cancel_{};
+  timer_node timer_{};
+  __kernel_timespec ts_{};
+};
+
+using op_list = fifo<op, &op::prev_, &op::next_>;
+
+/// The protocol engine of one endpoint. See the file comment.
+class engine {
+ public:
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+
+  scheduler& sched() const noexcept { return *sched_; }
+  const protocol_options& options() const noexcept { return opts_; }
+  /// The error new operations fail with (none while usable).
+  std::error_code state_error() const noexcept {
+    if (closing_ && !error_) return errc::closed;
+    return error_;
+  }
+  transfer_path last_path() const noexcept { return last_path_; }
+  /// The peer's limit from its hello (0 until it arrived).
+  std::uint64_t peer_max_message() const noexcept { return peer_max_; }
+  /// The counters (the transport's object, seen as the protocol's part).
+  const protocol_stats& pstats() const noexcept { return *stats_; }
+  /// The peer's capability bits from its hello.
+  std::uint64_t peer_caps() const noexcept { return peer_caps_; }
+
+  /// The endpoint is gone: abort (if still open); the engine frees itself
+  /// once nothing is in flight and every operation has resumed.
+  void abandon() noexcept {
+    abandoned_ = true;
+    enter();
+    if (!error_) fail(errc::closed);
+    leave();
+  }
+
+  // ---------------------------------------------------------------- ops
+
+  /// Starts `o` (from its await_suspend). True: pending; false: it
+  /// completed at once (its result is set).
+  bool begin(op& o) noexcept {
+    switch (o.kind_) {
+      case op::kind::recv: return begin_recv(o);
+      case op::kind::close: return begin_close(o);
+      default: return begin_out(o);
+    }
+  }
+
+  /// A stop or a timeout reached `o` (its reason `why`). Loop thread,
+  /// inside enter()/leave().
+  void cancel(op& o, std::error_code why) noexcept {
+    if (o.result_set_) return;
+    switch (o.kind_) {
+      case op::kind::recv: complete(o, why); return;
+      case op::kind::close:
+        complete(o, why);
+        if (!error_) fail(errc::closed);  // stop flushing: abort
+        return;
+      case op::kind::send: cancel_send(o, why); return;
+      case op::kind::put:
+      case op::kind::get:
+        if (o.stage_ == op::stage::awaiting && o.f1_.queued && link_withdraw(o.f1_)) {
+          // The request never left: no answer will come.
+          o.f1_.queued = false;
+          rma_.erase(&o);
+          o.stage_ = op::stage::idle;
+        } else if (o.f1_.queued && link_committed(o.f1_)) {
+          // Being written: it completes with `why` once the request is out
+          // (a put's payload is still in the kernel's hands).
+          o.stop_reason_ = why;
+          return;
+        }
+        // Its answer, if one comes, is dropped.
+        complete(o, why);
+        return;
+    }
+  }
+
+  // Every event runs between enter() and leave(). leave() resumes what
+  // completed, now that the state is consistent, lets the transport write
+  // what the resumed coroutines queued, and frees an abandoned engine.
+  void enter() noexcept { ++busy_; }
+  void leave() noexcept {
+    for (;;) {
+      while (op* o = ready_head_) {
+        ready_head_ = o->ready_next_;
+        if (ready_head_ == nullptr) ready_tail_ = nullptr;
+        --attached_;
+        o->waiter_.resume();  // may start ops, or destroy the endpoint
+      }
+      if (busy_ != 1) break;
+      if (link_flush()) continue;
+      break;
+    }
+    if (--busy_ == 0 && abandoned_ && deletable()) destroy();
+  }
+
+  void push_ready(op& o) noexcept {
+    o.ready_next_ = nullptr;
+    (ready_tail_ ? ready_tail_->ready_next_ : ready_head_) = &o;
+    ready_tail_ = &o;
+    // Completed outside an event (a failure found by a user's call): resume
+    // it from the loop.
+    if (busy_ == 0) post_resume();
+  }
+
+  void note_attached() noexcept { ++attached_; }
+  void note_detached() noexcept { --attached_; }
+
+  /// Counts a finished operation. Loop thread.
+  void record(const op& o) noexcept {
+    if (o.ec_) {
+      ++stats_->failed;
+      if (o.ec_ == errc::truncated) ++stats_->truncated;
+      return;
+    }
+    switch (o.kind_) {
+      case op::kind::send:
+        ++stats_->sends;
+        stats_->bytes_sent += o.bytes_;
+        ++(o.proto_ == wire_protocol::rendezvous ? stats_->rendezvous_sends : stats_->eager_sends);
+        break;
+      case op::kind::put: ++stats_->puts; stats_->bytes_sent += o.bytes_; break;
+      case op::kind::recv: ++stats_->recvs; stats_->bytes_received += o.bytes_; break;
+      case op::kind::get: ++stats_->gets; stats_->bytes_received += o.bytes_; break;
+      case op::kind::close: return;
+    }
+    ++stats_->by_path[static_cast<std::size_t>(o.path_)];
+    last_path_ = o.path_;
+  }
+
+ protected:
+  /// `stats` is the transport's counters object (a `protocol_stats` or a
+  /// type derived from it), owned by the transport.
+  engine(scheduler& s, memory_registry& reg, const protocol_options& o, protocol_stats& stats, std::uint64_t caps)
+      : sched_(&s), registry_(&reg), opts_(o), stats_(&stats) {
+    if (opts_.rendezvous_threshold > opts_.max_message) opts_.rendezvous_threshold = opts_.max_message;
+    std::size_t n = std::max<std::size_t>(opts_.reply_slots, 1);
+    slots_.reset(new reply_slot[n]);
+    for (std::size_t i = n; i-- > 0;) {
+      slots_[i].f.slot = &slots_[i];
+      slots_[i].next_free = free_slots_;
+      free_slots_ = &slots_[i];
+    }
+    resume_node_.self = this;
+    resume_node_.run = &on_resume_node;
+    hello_.hdr.type = msg::hello;
+    hello_.hdr.size = opts_.max_message;
+    hello_.hdr.tag = caps;
+    hello_.hdr.id = version;
+  }
+
+  virtual ~engine() {
+    while (early_msg* m = early_.pop_front()) delete m;
+  }
+
+  /// Sends the hello. The transport calls it once, when it is ready to
+  /// write (before any other frame can be posted).
+  void start_protocol() noexcept { link_post(hello_); }
+
+  // ---------------------------------------------------------------- transport hooks
+
+  virtual void link_post(frame& f) noexcept = 0;
+  virtual bool link_withdraw(frame& f) noexcept = 0;
+  virtual bool link_committed(const frame& f) const noexcept = 0;
+  virtual void link_resume() noexcept = 0;
+  /// Stop placing the current payload. True: its memory is free now; false:
+  /// `on_target_released()` comes when it is.
+  virtual bool link_abort_target() noexcept = 0;
+  virtual void link_shutdown() noexcept = 0;
+  /// The end of an outermost event handler, after the ready operations
+  /// resumed. True: the transport did something that may have completed
+  /// operations (leave() goes round again).
+  virtual bool link_flush() noexcept = 0;
+  virtual bool link_quiet() const noexcept = 0;
+  /// The endpoint closed and the transport is quiet: release the
+  /// connection's resources (a socket) now rather than at destruction.
+  virtual void link_release() noexcept = 0;
+  /// The path of a payload this transport placed (`direct`: straight from
+  /// the wire or the sender into the destination) or sent.
+  virtual transfer_path link_rx_path(bool direct) const noexcept = 0;
+  virtual transfer_path link_tx_path() const noexcept = 0;
+  /// Frees the engine (the transport's object): `delete this`.
+  virtual void destroy() noexcept = 0;
+
+  // ---------------------------------------------------------------- transport events
+
+  /// A header arrived (see the file comment). Must not change any state
+  /// when it pauses.
+  rx_plan on_header(const header& h) noexcept {
+    if (!valid(h, opts_.max_message)) return fail_plan();
+    if (!got_hello_ && h.type != msg::hello) return fail_plan();  // hello comes first
+    switch (h.type) {
+      case msg::hello: return rx_hello(h);
+      case msg::eager: return rx_eager(h);
+      case msg::rts: return rx_rts(h);
+      case msg::rtr: return rx_rtr(h);
+      case msg::data: return rx_data(h);
+      case msg::rts_cancel: return rx_rts_cancel(h);
+      case msg::rts_withdrawn: return rx_rts_withdrawn(h);
+      case msg::put_request: return rx_put_request(h);
+      case msg::get_request: return rx_get_request(h);
+      case msg::put_ack:
+      case msg::get_reply: return rx_answer(h);
+      case msg::close:
+        // The peer sends nothing more. Kept early messages stay receivable;
+        // everything else fails.
+        fail(errc::peer_closed);
+        return consumed();
+    }
+    return fail_plan();
+  }
+
+  /// The current target's `want` bytes are in place (`direct`: not through
+  /// a staging copy of the transport's).
+  void on_placed(bool direct) noexcept {
+    target t = std::exchange(cur_, target{});
+    switch (t.kind) {
+      case target::none:
+      case target::discard: return;
+      case target::op_payload: {
+        op& o = *t.o;
+        o.placing_ = false;
+        if (!o.result_set_) {
+          o.bytes_ = t.want;
+          if (o.path_ == transfer_path::none) o.path_ = link_rx_path(direct);
+          complete(o, o.ec_);  // errc::truncated was noted when the message began
+        } else {
+          try_finish(o);
+        }
+        return;
+      }
+      case target::store: {
+        early_msg* m = t.m;
+        ++stats_->unexpected;
+        // A receive may have been posted while the bytes were placed.
+        if (op* r = find_recv(m->tag)) {
+          take_recv(*r);
+          std::error_code ec = deliver_early(*r, *m);
+          complete(*r, ec);
+          delete m;
+        } else {
+          early_.push_back(m);
+          early_bytes_ += m->size;
+        }
+        return;
+      }
+      case target::serve_put: {
+        reply_slot* s = t.s;
+        s->lease.release();
+        ++stats_->served_puts;
+        send_answer(s, msg::put_ack, t.id, status::ok, nullptr, 0);
+        return;
+      }
+    }
+  }
+
+  /// A placement stopped by link_abort_target() no longer uses its memory.
+  void on_target_released() noexcept { release_target(std::exchange(aborted_, target{})); }
+
+  /// A kernel request of the transport completed: a close waiting for the
+  /// transport to be quiet may finish.
+  void on_io_done() noexcept {
+    if (close_op_ != nullptr) try_finish(*close_op_);
+  }
+
+  /// Frame `f` is written (`ec` empty) or will never be (`ec`: the
+  /// connection failed). Its payload memory is free.
+  void on_sent(frame& f, std::error_code ec) noexcept {
+    f.queued = false;
+    if (f.slot != nullptr) {
+      free_slot(f.slot);
+      return;
+    }
+    if (&f == &hello_) return;
+    op& o = *f.owner;
+    if (ec) {
+      if (o.kind_ == op::kind::close) {
+        // Nothing left to flush: closing a failed endpoint succeeds.
+        complete(o, {});
+      } else {
+        complete(o, error_ ? error_ : ec);
+      }
+      try_finish(o);
+      return;
+    }
+    switch (o.kind_) {
+      case op::kind::send:
+        if (&f == &o.f1_ && o.proto_ == wire_protocol::eager) {
+          o.bytes_ = o.size_;
+          o.path_ = link_tx_path();
+          complete(o, {});
+        } else if (&f == &o.f2_ && o.stage_ == op::stage::sending) {
+          o.bytes_ = o.f2_.hdr.length;
+          o.path_ = link_tx_path();
+          complete(o, {});
+        }
+        break;
+      case op::kind::put:
+      case op::kind::get:
+        // The request is out; the answer completes it. A stop that came
+        // while it was written completes it now.
+        if (!o.result_set_ && o.stop_reason_) complete(o, o.stop_reason_);
+        break;
+      case op::kind::recv: break;  // its rtr
+      case op::kind::close:
+        // Everything before the close frame is out: fail what is still
+        // pending with errc::closed; the transport ends the stream.
+        complete(o, {});
+        fail(errc::closed);
+        break;
+    }
+    try_finish(o);
+  }
+
+  /// The connection broke (`errc::connection_lost`, `errc::protocol_error`,
+  /// an errno code). Frames still posted come back through on_sent.
+  void on_link_failed(std::error_code ec) noexcept { fail(ec); }
+
+  /// Inside an event handler (between enter() and leave()).
+  bool in_handler() const noexcept { return busy_ > 0; }
+  bool failed() const noexcept { return static_cast<bool>(error_); }
+  std::error_code error() const noexcept { return error_; }
+
+ private:
+  struct target {
+    enum kind_t : std::uint8_t { none, op_payload, store, serve_put, discard } kind = none;
+    op* o = nullptr;
+    early_msg* m = nullptr;
+    reply_slot* s = nullptr;
+    std::uint64_t id = 0;
+    std::size_t want = 0;
+  };
+  struct resume_node : remote_work {
+    engine* self = nullptr;
+  };
+
+  bool deletable() const noexcept {
+    return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && link_quiet();
+  }
+
+  static rx_plan consumed() noexcept { return {}; }
+  static rx_plan pause_plan() noexcept { return {rx_plan::action::pause, nullptr, 0, 0}; }
+  static rx_plan fail_plan() noexcept { return {rx_plan::action::fail, nullptr, 0, 0}; }
+  rx_plan place(target t, std::byte* dst, std::size_t want, std::uint64_t discard) noexcept {
+    t.want = want;
+    cur_ = t;
+    return {rx_plan::action::place, dst, want, discard};
+  }
+  rx_plan drop(std::uint64_t n) noexcept {
+    cur_ = target{target::discard};
+    return {rx_plan::action::place, nullptr, 0, n};
+  }
+
+  // ---------------------------------------------------------------- starting
+
+  bool begin_recv(op& o) noexcept {
+    if (closing_ && !error_) {
+      o.ec_ = errc::closed;
+      return false;
+    }
+    for (early_msg* m = early_.head; m != nullptr; m = m->next) {
+      if (m->tag != o.tag_) continue;
+      early_.erase(m);
+      if (!m->rts) {
+        // Kept eager bytes: received now, without suspending.
+        early_bytes_ -= m->size;
+        o.ec_ = deliver_early(o, *m);
+        delete m;
+        resume_reading();
+        return false;
+      }
+      if (error_) break;  // an announcement can no longer be answered
+      match_rts(o, m->size, m->sid);
+      delete m;
+      resume_reading();
+      return true;
+    }
+    if (error_) {
+      o.ec_ = error_;
+      return false;
+    }
+    o.stage_ = op::stage::posted;
+    recvs_.push_back(&o);
+    resume_reading();
+    return true;
+  }
+
+  /// A send, put or get.
+  bool begin_out(op& o) noexcept {
+    if (std::error_code ec = state_error()) {
+      o.ec_ = ec;
+      return false;
+    }
+    if (o.kind_ != op::kind::send && o.size_ > o.rsize_) {
+      o.ec_ = errc::invalid_argument;  // the local view must fit in the remote one
+      return false;
+    }
+    if (o.size_ > opts_.max_message && o.kind_ == op::kind::get) {
+      o.ec_ = errc::message_too_large;  // the answer would exceed our own limit
+      return false;
+    }
+    if (!got_hello_) {
+      o.stage_ = op::stage::held;
+      held_.push_back(&o);
+      return true;
+    }
+    return launch(o);
+  }
+
+  /// Puts `o`'s first frame on the wire (the peer's hello is known). True:
+  /// pending.
+  bool launch(op& o) noexcept {
+    if (o.size_ > peer_max_) {
+      o.ec_ = errc::message_too_large;
+      return false;
+    }
+    frame& f = o.f1_;
+    f.owner = &o;
+    header& h = f.hdr;
+    switch (o.kind_) {
+      case op::kind::send:
+        if (o.size_ <= opts_.rendezvous_threshold) {
+          o.proto_ = wire_protocol::eager;
+          h.type = msg::eager;
+          h.length = o.size_;
+          h.tag = o.tag_;
+          f.payload = o.data_;
+          o.stage_ = op::stage::queued;
+        } else {
+          o.proto_ = wire_protocol::rendezvous;
+          o.id_ = next_id_++;
+          h.type = msg::rts;
+          h.size = o.size_;
+          h.tag = o.tag_;
+          h.id = o.id_;
+          o.stage_ = op::stage::announced;
+          announced_.push_back(&o);
+        }
+        break;
+      case op::kind::put:
+      case op::kind::get: {
+        bool put = o.kind_ == op::kind::put;
+        o.id_ = next_id_++;
+        h.type = put ? msg::put_request : msg::get_request;
+        h.id = o.id_;
+        h.addr = o.raddr_;
+        h.key = o.rkey_;
+        if (put) {
+          h.length = o.size_;
+          f.payload = o.data_;
+        } else {
+          h.size = o.size_;
+        }
+        // Awaiting its answer from now on: the answer may be parsed before
+        // the write's own completion is.
+        o.stage_ = op::stage::awaiting;
+        rma_.push_back(&o);
+        break;
+      }
+      default: break;
+    }
+    link_post(f);
+    return true;
+  }
+
+  bool begin_close(op& o) noexcept {
+    if (closing_) return false;  // a second close: nothing more to do
+    closing_ = true;
+    o.f1_.owner = &o;
+    if (error_ || !got_hello_) {
+      // Failed already (nothing to flush), or the peer never said hello:
+      // held operations fail with errc::closed. Wait only for the
+      // transport to be quiet.
+      if (!error_) fail(errc::closed);
+      o.result_set_ = true;
+      close_op_ = &o;
+      if (link_quiet()) {
+        close_op_ = nullptr;
+        link_release();
+        return false;
+      }
+      return true;
+    }
+    close_op_ = &o;
+    o.f1_.hdr = header{};
+    o.f1_.hdr.type = msg::close;
+    link_post(o.f1_);
+    return true;
+  }
+
+  void cancel_send(op& o, std::error_code why) noexcept {
+    switch (o.stage_) {
+      case op::stage::held:
+        held_.erase(&o);
+        complete(o, why);
+        return;
+      case op::stage::queued:  // eager
+        if (link_withdraw(o.f1_)) {
+          o.f1_.queued = false;
+          complete(o, why);
+        }
+        // else committed: it completes when written.
+        return;
+      case op::stage::announced:
+        if (o.f1_.queued && link_withdraw(o.f1_)) {
+          // The rts never left: withdrawn.
+          o.f1_.queued = false;
+          announced_.erase(&o);
+          complete(o, why);
+          ++stats_->withdrawn;
+          return;
+        }
+        // The peer has (or will have) the rts: ask for it back.
+        o.stop_reason_ = why;
+        o.stage_ = op::stage::withdrawing;
+        o.f3_ = frame{};
+        o.f3_.owner = &o;
+        o.f3_.hdr.type = msg::rts_cancel;
+        o.f3_.hdr.id = o.id_;
+        link_post(o.f3_);
+        return;
+      default: return;  // withdrawing already, or committed (sending)
+    }
+  }
+
+  // ---------------------------------------------------------------- completing
+
+  /// Decides `o`'s outcome (the first decision wins), takes it out of its
+  /// list, and finishes it once the transport is done with its memory.
+  void complete(op& o, std::error_code ec) noexcept {
+    if (o.result_set_) return;
+    o.result_set_ = true;
+    o.ec_ = ec;
+    switch (o.stage_) {
+      case op::stage::held: held_.erase(&o); break;
+      case op::stage::posted: recvs_.erase(&o); break;
+      case op::stage::announced:
+      case op::stage::withdrawing: announced_.erase(&o); break;
+      case op::stage::awaiting:
+        if (o.kind_ == op::kind::recv) {
+          awaiting_data_.erase(&o);
+          // The data will come: drop it.
+          if (!error_) remember(dropped_tokens_, o.id_);
+        } else {
+          rma_.erase(&o);
+          // A request the peer has (or will have) seen: its answer must be
+          // recognised and dropped.
+          if (!error_) remember(dropped_answers_, o.id_);
+        }
+        break;
+      default: break;
+    }
+    if (o.placing_ && cur_.kind == target::op_payload && cur_.o == &o) abort_current();
+    o.stage_ = op::stage::idle;
+    try_finish(o);
+  }
+
+  /// Finishes `o` if its outcome is decided and the transport no longer
+  /// uses its memory.
+  void try_finish(op& o) noexcept {
+    if (!o.result_set_ || o.finished_ || o.placing_) return;
+    for (frame* f : {&o.f1_, &o.f2_, &o.f3_}) {
+      if (!f->queued) continue;
+      // An rtr is never withdrawn: the sender waits for it (the data it
+      // brings is dropped).
+      if (f->hdr.type == msg::rtr && !error_) return;
+      if (!link_withdraw(*f)) return;  // committed or being written: waits for on_sent
+      f->queued = false;
+    }
+    if (o.kind_ == op::kind::close) {
+      if (!link_quiet()) return;  // close() returns when the transport is quiet
+      close_op_ = nullptr;
+      link_release();
+    }
+    o.finish();
+  }
+
+  void remember(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept {
+    try {
+      v.push_back(id);
+    } catch (...) {
+      fail(errno_code(ENOMEM));
+    }
+  }
+  static bool forget(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept {
+    auto it = std::find(v.begin(), v.end(), id);
+    if (it == v.end()) return false;
+    v.erase(it);
+    return true;
+  }
+
+  // ---------------------------------------------------------------- failure
+
+  /// The endpoint is unusable: fail everything with `ec` (in order). Frames
+  /// the transport still holds come back through on_sent.
+  void fail(std::error_code ec) noexcept {
+    if (error_) return;
+    error_ = ec;
+    link_shutdown();
+    while (op* o = held_.head) complete(*o, ec);
+    while (op* o = announced_.head) complete(*o, ec);
+    while (op* o = recvs_.head) complete(*o, ec);
+    while (op* o = awaiting_data_.head) complete(*o, ec);
+    while (op* o = rma_.head) complete(*o, ec);
+    // Announcements kept can no longer be answered.
+    for (early_msg* m = early_.head; m != nullptr;) {
+      early_msg* next = m->next;
+      if (m->rts) {
+        early_.erase(m);
+        delete m;
+      }
+      m = next;
+    }
+    dropped_tokens_.clear();
+    dropped_answers_.clear();
+    if (cur_.kind == target::op_payload) {
+      complete(*cur_.o, ec);
+    } else {
+      abort_current();
+    }
+    if (close_op_ != nullptr) try_finish(*close_op_);
+  }
+
+  /// Stops the placement in progress; its resources are released now or,
+  /// if the kernel still writes into them, at on_target_released().
+  void abort_current() noexcept {
+    target t = std::exchange(cur_, target{});
+    if (t.kind == target::none || t.kind == target::discard) return;
+    cur_.kind = target::discard;  // the transport drops the rest
+    if (link_abort_target()) {
+      release_target(t);
+    } else {
+      aborted_ = t;
+    }
+  }
+
+  void release_target(const target& t) noexcept {
+    switch (t.kind) {
+      case target::op_payload:
+        t.o->placing_ = false;
+        try_finish(*t.o);
+        break;
+      case target::store: delete t.m; break;
+      case target::serve_put: free_slot(t.s); break;
+      default: break;
+    }
+  }
+
+  // ---------------------------------------------------------------- receiving
+
+  op* find_recv(std::uint64_t tag) noexcept {
+    for (op* r = recvs_.head; r != nullptr; r = r->next_)
+      if (r->tag_ == tag) return r;
+    return nullptr;
+  }
+  void take_recv(op& r) noexcept {
+    recvs_.erase(&r);
+    r.stage_ = op::stage::idle;
+  }
+
+  /// Hands kept eager bytes to receive `r` (one copy); returns its outcome.
+  static std::error_code deliver_early(op& r, const early_msg& m) noexcept {
+    std::size_t n = std::min<std::size_t>(m.size, r.size_);
+    if (n != 0) std::memcpy(r.data_, m.bytes.get(), n);
+    r.bytes_ = n;
+    r.msg_size_ = m.size;
+    r.proto_ = wire_protocol::eager;
+    r.path_ = transfer_path::host_eager;
+    return m.size > r.size_ ? std::error_code(errc::truncated) : std::error_code{};
+  }
+
+  /// Receive `r` takes the announced message `sid` of `size` bytes: it
+  /// answers rtr with a token and the bytes it accepts.
+  void match_rts(op& r, std::uint64_t size, std::uint64_t sid) noexcept {
+    r.id_ = next_id_++;
+    r.msg_size_ = static_cast<std::size_t>(size);
+    r.proto_ = wire_protocol::rendezvous;
+    std::size_t accept = std::min<std::size_t>(size, r.size_);
+    if (accept < size) r.ec_ = errc::truncated;  // reported when the data is in
+    r.stage_ = op::stage::awaiting;
+    awaiting_data_.push_back(&r);
+    frame& f = r.f1_;
+    f = frame{};
+    f.owner = &r;
+    f.hdr.type = msg::rtr;
+    f.hdr.id = sid;
+    f.hdr.size = accept;
+    f.hdr.addr = r.id_;
+    link_post(f);
+  }
+
+  void resume_reading() noexcept {
+    if (paused_) {
+      paused_ = false;
+      link_resume();
+    }
+  }
+  rx_plan pause_reading() noexcept {
+    if (!paused_) ++stats_->paused;
+    paused_ = true;
+    return pause_plan();
+  }
+
+  rx_plan rx_hello(const header& h) noexcept {
+    if (got_hello_) return fail_plan();
+    if (h.id != version) return fail_plan();  // only version 2 exists
+    got_hello_ = true;
+    peer_max_ = h.size;
+    peer_caps_ = h.tag;
+    while (op* o = held_.pop_front()) {
+      o->stage_ = op::stage::idle;
+      if (!launch(*o)) complete(*o, o->ec_);  // larger than the peer accepts
+    }
+    return consumed();
+  }
+
+  rx_plan rx_eager(const header& h) noexcept {
+    auto len = static_cast<std::size_t>(h.length);
+    if (op* r = find_recv(h.tag)) {
+      take_recv(*r);
+      std::size_t want = std::min(len, r->size_);
+      if (want < len) r->ec_ = errc::truncated;
+      r->msg_size_ = len;
+      r->proto_ = wire_protocol::eager;
+      r->stage_ = op::stage::placing;
+      r->placing_ = true;
+      return place({target::op_payload, r}, r->data_, want, len - want);
+    }
+    if (early_bytes_ + len > opts_.unexpected_bytes || early_.size >= opts_.unexpected_messages)
+      return pause_reading();
+    auto* m = new (std::nothrow) early_msg;
+    if (m == nullptr) return pause_reading();
+    if (len != 0) {
+      m->bytes.reset(new (std::nothrow) std::byte[len]);
+      if (!m->bytes) {
+        delete m;
+        return pause_reading();
+      }
+    }
+    m->tag = h.tag;
+    m->size = len;
+    target t{target::store};
+    t.m = m;
+    return place(t, m->bytes.get(), len, 0);
+  }
+
+  rx_plan rx_rts(const header& h) noexcept {
+    if (op* r = find_recv(h.tag)) {
+      take_recv(*r);
+      match_rts(*r, h.size, h.id);
+      return consumed();
+    }
+    if (early_.size >= opts_.unexpected_messages) return pause_reading();
+    auto* m = new (std::nothrow) early_msg;
+    if (m == nullptr) return pause_reading();
+    m->rts = true;
+    m->tag = h.tag;
+    m->size = h.size;
+    m->sid = h.id;
+    early_.push_back(m);
+    ++stats_->unexpected_rts;
+    return consumed();
+  }
+
+  rx_plan rx_rtr(const header& h) noexcept {
+    op* s = announced_.head;
+    while (s != nullptr && s->id_ != h.id) s = s->next_;
+    if (s == nullptr || h.size > s->size_) return fail_plan();  // not one of ours
+    announced_.erase(s);
+    // Committed now, whatever a stop asked: a pending rts_cancel is
+    // ignored by the peer, which matched the message first.
+    s->stop_reason_ = {};
+    s->stage_ = op::stage::sending;
+    frame& f = s->f2_;
+    f = frame{};
+    f.owner = s;
+    f.hdr.type = msg::data;
+    f.hdr.length = h.size;
+    f.hdr.addr = h.addr;
+    f.payload = s->data_;
+    link_post(f);
+    return consumed();
+  }
+
+  rx_plan rx_data(const header& h) noexcept {
+    std::uint64_t token = h.addr;
+    for (op* r = awaiting_data_.head; r != nullptr; r = r->next_) {
+      if (r->id_ != token) continue;
+      auto len = static_cast<std::size_t>(h.length);
+      if (len != std::min(r->msg_size_, r->size_)) return fail_plan();  // not what was accepted
+      awaiting_data_.erase(r);
+      r->stage_ = op::stage::placing;
+      r->placing_ = true;
+      return place({target::op_payload, r}, r->data_, len, 0);
+    }
+    if (forget(dropped_tokens_, token)) return drop(h.length);  // its receive was cancelled
+    return fail_plan();
+  }
+
+  rx_plan rx_rts_cancel(const header& h) noexcept {
+    for (early_msg* m = early_.head; m != nullptr; m = m->next) {
+      if (!m->rts || m->sid != h.id) continue;
+      reply_slot* s = take_slot();
+      if (s == nullptr) return pause_reading();
+      early_.erase(m);
+      delete m;
+      send_answer(s, msg::rts_withdrawn, h.id, status::ok, nullptr, 0);
+      return consumed();
+    }
+    // Already matched: the rtr on its way answers the sender.
+    return consumed();
+  }
+
+  rx_plan rx_rts_withdrawn(const header& h) noexcept {
+    op* s = announced_.head;
+    while (s != nullptr && !(s->id_ == h.id && s->stage_ == op::stage::withdrawing)) s = s->next_;
+    if (s == nullptr) return fail_plan();
+    ++stats_->withdrawn;
+    complete(*s, s->stop_reason_);
+    return consumed();
+  }
+
+  rx_plan rx_put_request(const header& h) noexcept {
+    reply_slot* s = take_slot();
+    if (s == nullptr) return pause_reading();
+    auto len = static_cast<std::size_t>(h.length);
+    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::write);
+    if (!l) {
+      // Refused: nothing is written; the payload is read and dropped.
+      ++stats_->refused;
+      send_answer(s, msg::put_ack, h.id, status::remote_access, nullptr, 0);
+      return drop(len);
+    }
+    s->lease = std::move(*l);
+    target t{target::serve_put};
+    t.s = s;
+    t.id = h.id;
+    return place(t, s->lease.data(), len, 0);
+  }
+
+  rx_plan rx_get_request(const header& h) noexcept {
+    reply_slot* s = take_slot();
+    if (s == nullptr) return pause_reading();
+    auto len = static_cast<std::size_t>(h.size);
+    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::read);
+    if (!l) {
+      ++stats_->refused;
+      send_answer(s, msg::get_reply, h.id, status::remote_access, nullptr, 0);
+    } else {
+      // The bytes go out straight from the registered memory; the lease
+      // keeps a revocation waiting until they are written.
+      ++stats_->served_gets;
+      s->lease = std::move(*l);
+      send_answer(s, msg::get_reply, h.id, status::ok, s->lease.data(), len);
+    }
+    return consumed();
+  }
+
+  rx_plan rx_answer(const header& h) noexcept {
+    bool get = h.type == msg::get_reply;
+    op* o = rma_.head;
+    while (o != nullptr && o->id_ != h.id) o = o->next_;
+    if (o == nullptr) {
+      if (forget(dropped_answers_, h.id)) return drop(h.length);  // a cancelled request's answer
+      return fail_plan();  // an answer to nothing we asked
+    }
+    if ((o->kind_ == op::kind::get) != get) return fail_plan();
+    rma_.erase(o);
+    o->stage_ = op::stage::idle;
+    if (h.st != status::ok) {
+      complete(*o, errc::remote_access);
+      return consumed();
+    }
+    if (!get) {
+      o->bytes_ = o->size_;
+      o->path_ = link_tx_path();
+      complete(*o, {});
+      return consumed();
+    }
+    if (h.length != o->size_) return fail_plan();  // not what was asked for
+    o->stage_ = op::stage::placing;
+    o->placing_ = true;
+    return place({target::op_payload, o}, o->data_, o->size_, 0);
+  }
+
+  // ---------------------------------------------------------------- answers
+
+  reply_slot* take_slot() noexcept {
+    reply_slot* s = free_slots_;
+    if (s != nullptr) free_slots_ = s->next_free;
+    return s;
+  }
+
+  void free_slot(reply_slot* s) noexcept {
+    s->lease.release();
+    s->f = frame{};
+    s->f.slot = s;
+    s->next_free = free_slots_;
+    free_slots_ = s;
+    resume_reading();
+  }
+
+  void send_answer(reply_slot* s, msg type, std::uint64_t id, status st, const std::byte* payload,
+                   std::size_t len) noexcept {
+    if (error_) {
+      free_slot(s);
+      return;
+    }
+    frame& f = s->f;
+    f.hdr = header{};
+    f.hdr.type = type;
+    f.hdr.st = st;
+    f.hdr.id = id;
+    f.hdr.length = len;
+    f.payload = payload;
+    link_post(f);
+  }
+
+  // ---------------------------------------------------------------- resuming
+
+  void post_resume() noexcept {
+    if (resume_posted_) return;
+    resume_posted_ = true;
+    sched_->post(&resume_node_);
+  }
+
+  static void on_resume_node(remote_work* w) noexcept {
+    engine* e = static_cast<resume_node*>(w)->self;
+    e->enter();
+    e->resume_posted_ = false;
+    e->leave();
+  }
+
+  // ---------------------------------------------------------------- state
+
+  scheduler* sched_;
+  memory_registry* registry_;
+  protocol_options opts_;
+  protocol_stats* stats_;
+  transfer_path last_path_ = transfer_path::none;
+  std::error_code error_{};
+  bool closing_ = false;
+  bool abandoned_ = false;
+  bool got_hello_ = false;
+  bool paused_ = false;
+  std::uint64_t peer_max_ = 0;
+  std::uint64_t peer_caps_ = 0;
+  std::uint64_t next_id_ = 1;
+  op* close_op_ = nullptr;
+  int busy_ = 0;
+  std::size_t attached_ = 0;  // operations suspended and not yet resumed
+  op* ready_head_ = nullptr;
+  op* ready_tail_ = nullptr;
+  resume_node resume_node_{};
+  bool resume_posted_ = false;
+  frame hello_{};
+  target cur_{};
+  target aborted_{};  // a placement stopped while the kernel wrote into it
+
+  op_list held_{};           // waiting for the peer's hello
+  op_list announced_{};      // rendezvous sends: rts posted
+  op_list recvs_{};          // posted receives, unmatched
+  op_list awaiting_data_{};  // receives that sent rtr
+  op_list rma_{};            // puts and gets awaiting their answer
+  fifo<early_msg, &early_msg::prev, &early_msg::next> early_{};
+  std::size_t early_bytes_ = 0;
+  std::vector<std::uint64_t> dropped_tokens_;   // rendezvous data to drop (cancelled receives)
+  std::vector<std::uint64_t> dropped_answers_;  // answers to drop (cancelled puts and gets)
+  std::unique_ptr<reply_slot[]> slots_;
+  reply_slot* free_slots_ = nullptr;
+};
+
+// ---------------------------------------------------------------- op
+
+inline void op::throw_error() const {
+  if (ec_ == errc::truncated) {
+    std::string what = "message of " + std::to_string(msg_size_) + " bytes truncated to " + std::to_string(bytes_);
+    throw gdr::error(ec_, what);
+  }
+  throw gdr::error(ec_);
+}
+
+inline bool op::start(std::coroutine_handle<> h, std::stop_token coro_stop) noexcept {
+  assert(eng_ != nullptr && "gdr: operation on an endpoint that holds no connection");
+  assert(scheduler::current() == &eng_->sched() && "gdr: await an endpoint's operations on its scheduler's thread");
+  if (coro_stop.stop_requested() || opts_.stop.stop_requested()) {
+    ec_ = errc::cancelled;
+    eng_->record(*this);
+    return false;
+  }
+  waiter_ = h;
+  // Counted as pending before it starts: whatever completes it, even during
+  // begin(), resumes it through the loop, never from inside this call (no
+  // event handler is running: begin() does not call leave()).
+  pending_ = 1;
+  eng_->note_attached();
+  if (!eng_->begin(*this)) {
+    pending_ = 0;
+    eng_->note_detached();
+    result_set_ = true;
+    finished_ = true;
+    stage_ = stage::idle;
+    eng_->record(*this);
+    return false;
+  }
+  if (finished_) return true;  // completed during begin(): resumes from the loop
+  cancel_.self = this;
+  cancel_.run = &on_cancel_node;
+  if (opts_.timeout.count() > 0 && !arm_timer()) {
+    // No SQE for the timer (the SQ is full even after submitting): give up
+    // through the loop, like a cancellation.
+    cancel_reason_ = errc::busy;
+    on_stop_requested();
+  }
+  if (opts_.stop.stop_possible()) stop_user_.emplace(opts_.stop, canceller{this});
+  if (coro_stop.stop_possible()) stop_coro_.emplace(std::move(coro_stop), canceller{this});
+  return true;
+}
+
+inline bool op::arm_timer() noexcept {
+  scheduler& s = eng_->sched();
+  io_uring_sqe* sqe = s.get_sqe();
+  if (sqe == nullptr) return false;
+  auto d = opts_.timeout;
+  ts_.tv_sec = static_cast<long long>(d.count() / 1'000'000'000);
+  ts_.tv_nsec = static_cast<long long>(d.count() % 1'000'000'000);
+  timer_.self = this;
+  timer_.complete = &on_timer;
+  io_uring_prep_timeout(sqe, &ts_, 0, 0);
+  io_uring_sqe_set_data(sqe, static_cast<operation*>(&timer_));
+  s.note_submitted();
+  timer_armed_ = true;
+  ++pending_;
+  return true;
+}
+
+// Any thread (a stop callback). Only posts: the loop's thread does the rest.
+inline void op::on_stop_requested() noexcept {
+  if (!cancel_posted_.exchange(true, std::memory_order_acq_rel)) eng_->sched().post(&cancel_);
+}
+
+inline void op::on_cancel_node(remote_work* w) noexcept {
+  op* o = static_cast<cancel_node*>(w)->self;
+  engine* e = o->eng_;
+  e->enter();
+  o->cancel_ran_ = true;
+  if (o->finished_) {
+    o->release();  // finish() waited for this node
+  } else {
+    e->cancel(*o, o->cancel_reason_);
+  }
+  e->leave();
+}
+
+inline void op::on_timer(operation* t, int res, std::uint32_t) noexcept {
+  op* o = static_cast<timer_node*>(t)->self;
+  engine* e = o->eng_;
+  e->enter();
+  o->timer_fired_ = true;
+  // -ETIME: the timeout expired. -ECANCELED: finish() removed it.
+  if (res == -ETIME && !o->result_set_) e->cancel(*o, errc::timed_out);
+  o->release();
+  e->leave();
+}
+
+inline void op::finish() noexcept {
+  finished_ = true;
+  // Destroying a stop callback waits for one running on another thread;
+  // after this, no callback can post the cancel node any more.
+  stop_user_.reset();
+  stop_coro_.reset();
+  if (cancel_posted_.load(std::memory_order_acquire) && !cancel_ran_) ++pending_;  // its node lives here
+  if (timer_armed_ && !timer_fired_) {
+    // Remove the timer; its CQE (-ECANCELED) still comes and is waited for,
+    // because the timer lives in this frame. Without a free SQE it simply
+    // expires on its own, within the timeout.
+    if (io_uring_sqe* sqe = eng_->sched().get_sqe()) {
+      io_uring_prep_timeout_remove(sqe, timer_.user_data(), 0);
+      io_uring_sqe_set_data64(sqe, gdr::detail::ignore_tag);
+    }
+  }
+  eng_->record(*this);
+  release();
+}
+
+inline void op::release() noexcept {
+  if (--pending_ == 0) eng_->push_ready(*this);
+}
+
+}  // namespace gdr::detail::proto

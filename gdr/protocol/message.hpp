@@ -1,0 +1,142 @@
+/// \file
+/// The protocol layer's vocabulary: the messages two endpoints exchange,
+/// whatever transport carries them, and the check every received header
+/// passes before the protocol acts on it.
+///
+/// A transport carries each message as a header plus, for some types, a
+/// payload of `header::length` bytes that follows it (TCP encodes the header
+/// in its frame format, `gdr/transport/tcp/frame.hpp`; loopback hands the
+/// struct over as it is). Which fields a type uses:
+///
+/// | type            | payload  | fields                                                    |
+/// |-----------------|----------|-----------------------------------------------------------|
+/// | `hello`         | none     | `size` = largest message accepted, `tag` = capabilities,  |
+/// |                 |          | `id` = protocol version                                   |
+/// | `eager`         | message  | `tag`                                                     |
+/// | `rts`           | none     | `size` = message bytes, `tag`, `id` = sender's send id    |
+/// | `rtr`           | none     | `id` = send id, `size` = bytes accepted, `addr` = token   |
+/// | `data`          | message  | `addr` = the receiver's token (from its `rtr`)            |
+/// | `rts_cancel`    | none     | `id` = send id                                            |
+/// | `rts_withdrawn` | none     | `id` = send id                                            |
+/// | `put_request`   | bytes    | `id` = request id, `addr`, `key`                          |
+/// | `put_ack`       | none     | `id` = request id, `status`                               |
+/// | `get_request`   | none     | `size` = bytes asked, `id` = request id, `addr`, `key`    |
+/// | `get_reply`     | bytes    | `id` = request id, `status` (no payload unless ok)        |
+/// | `close`         | none     | -                                                         |
+///
+/// Every field a type does not use must be zero: a header that breaks that,
+/// or names a length over the receiver's limit, is a protocol error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gdr::detail::proto {
+
+/// The protocol's version, sent in `hello`. Version 1 was TCP's first frame
+/// format (no tags, no rendezvous, no handshake).
+inline constexpr std::uint64_t version = 2;
+
+/// Message types. The values are on the wire.
+enum class msg : std::uint8_t {
+  hello = 1,          ///< first message each way: limits and capabilities
+  eager = 2,          ///< a whole small message
+  rts = 3,            ///< ready to send: a large message is waiting on the sender
+  rtr = 4,            ///< ready to receive: a receive matched an `rts`
+  data = 5,           ///< a large message's bytes, into the receive named by its token
+  rts_cancel = 6,     ///< the sender withdraws an `rts` no receive has matched
+  rts_withdrawn = 7,  ///< answer to `rts_cancel`: it was withdrawn (else an `rtr` comes)
+  put_request = 8,    ///< one-sided write into the receiver's registered memory
+  put_ack = 9,        ///< answer to `put_request`
+  get_request = 10,   ///< one-sided read of the receiver's registered memory
+  get_reply = 11,     ///< answer to `get_request`, with the bytes when ok
+  close = 12,         ///< orderly end: the sender sends nothing more
+};
+inline constexpr std::uint8_t msg_min = 1;
+inline constexpr std::uint8_t msg_max = 12;
+
+/// A printable name ("eager", "rts", ...).
+constexpr const char* to_string(msg m) noexcept {
+  switch (m) {
+    case msg::hello: return "hello";
+    case msg::eager: return "eager";
+    case msg::rts: return "rts";
+    case msg::rtr: return "rtr";
+    case msg::data: return "data";
+    case msg::rts_cancel: return "rts_cancel";
+    case msg::rts_withdrawn: return "rts_withdrawn";
+    case msg::put_request: return "put_request";
+    case msg::put_ack: return "put_ack";
+    case msg::get_request: return "get_request";
+    case msg::get_reply: return "get_reply";
+    case msg::close: return "close";
+  }
+  return "?";
+}
+
+/// Status of an answer (`put_ack`, `get_reply`). Values are on the wire.
+enum class status : std::uint8_t {
+  ok = 0,
+  remote_access = 1,  ///< outside a registration, wrong key, revoked, or not permitted
+};
+
+/// Capability bits of `hello`'s `tag`.
+namespace caps {
+inline constexpr std::uint64_t host = 1u << 0;       ///< accepts Host and Pinned memory
+inline constexpr std::uint64_t device = 1u << 1;     ///< can stage Device memory (staged path)
+inline constexpr std::uint64_t gpudirect = 1u << 2;  ///< GPUDirect RDMA probed and working
+inline constexpr std::uint64_t known = host | device | gpudirect;
+}  // namespace caps
+
+/// One protocol message's header (see the file comment for the fields each
+/// type uses).
+struct header {
+  msg type = msg::eager;
+  status st = status::ok;
+  std::uint16_t flags = 0;  ///< none defined: must be zero
+  std::uint64_t length = 0;  ///< payload bytes that follow
+  std::uint64_t size = 0;
+  std::uint64_t tag = 0;
+  std::uint64_t id = 0;
+  std::uint64_t addr = 0;
+  std::uint64_t key = 0;
+
+  friend constexpr bool operator==(const header&, const header&) noexcept = default;
+};
+
+/// Bytes of payload that follow a header of this type on the wire.
+constexpr bool has_payload(msg m) noexcept {
+  return m == msg::eager || m == msg::data || m == msg::put_request || m == msg::get_reply;
+}
+
+/// Checks the fields of a received header: unused fields zero, known
+/// status, payload within `max_message` (this side's limit). True if valid.
+/// The transport checks its own framing (magic, version, order) first.
+constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
+  if (h.flags != 0) return false;
+  if (static_cast<std::uint8_t>(h.st) > static_cast<std::uint8_t>(status::remote_access)) return false;
+  bool st_zero = h.st == status::ok;
+  if (!has_payload(h.type) && h.length != 0) return false;
+  if (h.length > max_message) return false;
+  switch (h.type) {
+    case msg::hello:
+      return st_zero && h.addr == 0 && h.key == 0 && (h.tag & ~caps::known) == 0 && h.id >= 2 && h.size != 0;
+    case msg::eager: return st_zero && h.size == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
+    case msg::rts: return st_zero && h.addr == 0 && h.key == 0 && h.size <= max_message;
+    case msg::rtr: return st_zero && h.tag == 0 && h.key == 0;
+    case msg::data: return st_zero && h.size == 0 && h.tag == 0 && h.id == 0 && h.key == 0;
+    case msg::rts_cancel:
+    case msg::rts_withdrawn:
+    case msg::close:
+      return st_zero && h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0 &&
+             (h.type != msg::close || h.id == 0);
+    case msg::put_request: return st_zero && h.size == 0 && h.tag == 0;
+    case msg::get_request: return st_zero && h.tag == 0 && h.size <= max_message;
+    case msg::put_ack: return h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0;
+    case msg::get_reply:
+      return h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0 && (st_zero || h.length == 0);
+  }
+  return false;
+}
+
+}  // namespace gdr::detail::proto

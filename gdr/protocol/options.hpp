@@ -1,0 +1,89 @@
+/// \file
+/// What users set and read on every endpoint, whatever its transport: tags,
+/// the protocol's tuning, its counters, and the per-operation report.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <system_error>
+
+#include <gdr/transport/common.hpp>
+
+namespace gdr {
+
+/// A message's tag. Receives match messages of their own tag only, in the
+/// order both were started; independent streams of messages share an
+/// endpoint by using different tags. `gdr::tag{0}` is the default.
+///
+///   co_await ep.send(v, gdr::tag{7});
+///   co_await ep.recv(w, gdr::tag{7});
+enum class tag : std::uint64_t {};
+
+/// Which protocol carried a message (`op_report::protocol`).
+enum class wire_protocol : std::uint8_t {
+  none,        ///< no message (put, get, close, or nothing moved)
+  eager,       ///< the whole message in one go, kept by the receiver if early
+  rendezvous,  ///< announced first; the bytes moved once the receive was posted
+};
+
+/// A printable name ("eager", "rendezvous", "none").
+constexpr const char* to_string(wire_protocol p) noexcept {
+  switch (p) {
+    case wire_protocol::none: return "none";
+    case wire_protocol::eager: return "eager";
+    case wire_protocol::rendezvous: return "rendezvous";
+  }
+  return "?";
+}
+
+/// Tuning of the protocol layer of one endpoint (every transport).
+struct protocol_options {
+  /// Messages larger than this go by rendezvous: only an announcement
+  /// travels until the receive is posted, then the bytes move straight into
+  /// it. Smaller ones are sent at once and kept by the receiver if early.
+  /// (The bandwidth-delay product of a datacenter link is about this size:
+  /// shared/PROTOCOL-LAYER.md, lesson 5; benchmarks/RESULTS.md.)
+  std::size_t rendezvous_threshold = 64 * 1024;
+  /// The most bytes of early eager messages (no receive posted yet) kept per
+  /// endpoint. Beyond it the endpoint stops reading until a receive is
+  /// posted: back-pressure, never loss.
+  std::size_t unexpected_bytes = 1024 * 1024;
+  /// The most early messages (eager or announced) kept per endpoint; beyond
+  /// it, back-pressure as above.
+  std::size_t unexpected_messages = 4096;
+  /// The peer's one-sided requests (put, get) served at once, and answers
+  /// owed to it; more wait (the endpoint stops reading meanwhile).
+  std::size_t reply_slots = 64;
+  /// The longest message, put or get this side accepts; told to the peer in
+  /// the handshake, so that a larger send fails alone on the sender with
+  /// `errc::message_too_large` instead of breaking the connection.
+  std::uint64_t max_message = std::uint64_t{1} << 30;
+};
+
+/// Counters of one endpoint's protocol layer, updated on its scheduler's
+/// thread. Transports extend it with their own (`tcp::endpoint_stats`).
+struct protocol_stats : transfer_stats {
+  std::uint64_t eager_sends = 0;       ///< sends that went eager
+  std::uint64_t rendezvous_sends = 0;  ///< sends that went by rendezvous
+  std::uint64_t unexpected = 0;        ///< eager messages kept because no receive was posted
+  std::uint64_t unexpected_rts = 0;    ///< announcements kept because no receive was posted
+  std::uint64_t paused = 0;            ///< times reading stopped for back-pressure
+  std::uint64_t withdrawn = 0;         ///< announced sends withdrawn by cancellation
+  std::uint64_t truncated = 0;         ///< receives that got a larger message than their view
+  std::uint64_t served_puts = 0;       ///< the peer's puts applied to registered memory
+  std::uint64_t served_gets = 0;       ///< the peer's gets answered with data
+  std::uint64_t refused = 0;           ///< the peer's puts/gets refused (errc::remote_access on its side)
+};
+
+/// Everything known about one finished operation:
+/// `co_await std::move(op).report()`.
+struct op_report {
+  std::error_code error{};              ///< empty on success
+  std::size_t bytes = 0;                ///< bytes moved into or out of the caller's view
+  std::size_t message_size = 0;         ///< receives: the message's full size (> bytes when truncated)
+  std::uint64_t tag = 0;                ///< the message's tag (sends and receives)
+  transfer_path path = transfer_path::none;
+  wire_protocol protocol = wire_protocol::none;
+};
+
+}  // namespace gdr
