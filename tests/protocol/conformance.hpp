@@ -1,0 +1,137 @@
+// The transports the conformance suite runs over, and its helpers. Each
+// transport gives a connected pair of endpoints on one scheduler with given
+// protocol options; every TEST_CASE_TEMPLATE in conformance_test.cpp runs
+// over each. A new transport joins the suite by adding a fixture here.
+#pragma once
+
+#include <chrono>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <span>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include <gdr/coro/sync_wait.hpp>
+#include <gdr/coro/task.hpp>
+#include <gdr/coro/when_all.hpp>
+#include <gdr/protocol/endpoint.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/loopback.hpp>
+#include <gdr/transport/tcp.hpp>
+
+#include "tests/support/watchdog.hpp"
+
+namespace conformance {
+
+using watchdog = gdr_test_support::watchdog;
+using namespace std::chrono_literals;
+
+/// Loopback: both ends on one scheduler.
+struct loopback_fixture {
+  using endpoint = gdr::loopback::endpoint;
+  static constexpr const char* name = "loopback";
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg,
+                                                        gdr::protocol_options a, gdr::protocol_options b) {
+    // One option set serves both ends of a loopback pair; the suite's
+    // asymmetric cases (a smaller limit on one side) use `b`'s limits.
+    (void)a;
+    co_return gdr::loopback::make_pair(s, s, reg, b);
+  }
+};
+
+/// TCP over 127.0.0.1: both ends on one scheduler.
+struct tcp_fixture {
+  using endpoint = gdr::tcp::endpoint;
+  static constexpr const char* name = "tcp";
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg,
+                                                        gdr::protocol_options a, gdr::protocol_options b) {
+    gdr::tcp::endpoint_options ea, eb;
+    ea.protocol = a;
+    eb.protocol = b;
+    gdr::tcp::listener l(s, gdr::tcp::address::loopback(0), reg, eb);
+    auto acc = l.accept();
+    endpoint x = co_await gdr::tcp::connect(s, l.local_address(), {}, reg, ea);
+    endpoint y = co_await std::move(acc);
+    co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));
+  }
+};
+
+#define CONFORMANCE_TRANSPORTS conformance::loopback_fixture, conformance::tcp_fixture
+
+/// Runs `body(a, b)` (a coroutine lambda taking the two endpoints) on a
+/// fresh scheduler in `mode`, with a watchdog; closes nothing itself.
+template <class Fixture, class Body>
+void run(gdr::run_mode mode, Body body, gdr::protocol_options a = {}, gdr::protocol_options b = {},
+         gdr::memory_registry& reg = gdr::default_registry()) {
+  watchdog dog(60);
+  gdr::scheduler sched({.mode = mode});
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto p = co_await Fixture::pair(sched, reg, a, b);
+    co_await body(p.first, p.second);
+  }());
+  sched.drain();
+}
+
+/// Both run modes, as doctest subcases.
+template <class Fixture, class Body>
+void run_both(Body body, gdr::protocol_options a = {}, gdr::protocol_options b = {}) {
+  for (gdr::run_mode m : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+    CAPTURE(static_cast<int>(m));
+    run<Fixture>(m, body, a, b);
+  }
+}
+
+/// Deterministic bytes for message `i` of size `n`.
+inline std::vector<std::byte> pattern(std::size_t n, std::uint32_t i) {
+  std::vector<std::byte> v(n);
+  std::uint32_t x = 2654435761u * (i + 1);
+  for (std::size_t k = 0; k < n; ++k) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    v[k] = static_cast<std::byte>(x);
+  }
+  return v;
+}
+
+/// Awaits `op` and returns its report.
+template <class Op>
+gdr::task<gdr::op_report> report_of(Op op) {
+  co_return co_await std::move(op).report();
+}
+
+/// A coroutine that starts at once and is never awaited.
+struct detached {
+  struct promise_type {
+    detached get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+/// Runs the coroutine lambda `f` unawaited; counts it in `done`.
+template <class F>
+detached spawn(F f, int& done) {
+  co_await f();
+  ++done;
+}
+
+/// Waits (yielding to the loop) until `pred()` holds, or `limit` passes.
+template <class Pred>
+gdr::task<bool> eventually(gdr::scheduler& s, Pred pred, std::chrono::milliseconds limit = 5000ms) {
+  auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) co_return false;
+    co_await gdr::sleep_for(s, 1ms);
+  }
+  co_return true;
+}
+
+}  // namespace conformance

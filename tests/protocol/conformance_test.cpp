@@ -1,0 +1,522 @@
+// The protocol layer's conformance suite: every rule of
+// gdr/protocol/engine.hpp, checked over every transport (loopback and TCP
+// today; each new transport adds a fixture in conformance.hpp and inherits
+// all of it), in both run modes where timing matters.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <stop_token>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include <gdr/coro/when_all.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/sched/timer.hpp>
+
+#include "tests/protocol/conformance.hpp"
+
+using namespace std::chrono_literals;
+using conformance::pattern;
+using conformance::report_of;
+using gdr::op_report;
+using gdr::tag;
+using gdr::wire_protocol;
+
+namespace {
+
+gdr::protocol_options small_threshold(std::size_t e) {
+  gdr::protocol_options o;
+  o.rendezvous_threshold = e;
+  return o;
+}
+
+template <class T>
+gdr::view<std::byte, gdr::Host> bytes_of(T& v) {
+  return gdr::view<std::byte, gdr::Host>(v.data(), v.size());
+}
+template <class T>
+gdr::view<const std::byte, gdr::Host> cbytes_of(const T& v) {
+  return gdr::view<const std::byte, gdr::Host>(v.data(), v.size());
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("messages keep their boundaries and order at every size around the rendezvous threshold",
+                   T, CONFORMANCE_TRANSPORTS) {
+  constexpr std::size_t e = 4096;
+  const std::vector<std::size_t> sizes{0, 1, 7, e - 1, e, e + 1, 3 * e + 5, (1u << 20) + 3};
+  for (bool recv_first : {true, false}) {
+    CAPTURE(recv_first);
+    conformance::run_both<T>(
+        [&](auto& a, auto& b) -> gdr::task<> {
+          std::vector<std::vector<std::byte>> out, in;
+          for (std::size_t i = 0; i < sizes.size(); ++i) {
+            out.push_back(pattern(sizes[i], static_cast<std::uint32_t>(i)));
+            in.emplace_back(sizes[i] + 16);
+          }
+          std::vector<gdr::task<op_report>> recvs, sends;
+          for (std::size_t i = 0; i < sizes.size(); ++i) {
+            auto s = report_of(a.send(cbytes_of(out[i])));
+            auto r = report_of(b.recv(bytes_of(in[i])));
+            if (recv_first) {
+              recvs.push_back(std::move(r));
+              sends.push_back(std::move(s));
+            } else {
+              sends.push_back(std::move(s));
+              recvs.push_back(std::move(r));
+            }
+          }
+          auto [rs, ss] = co_await gdr::when_all(gdr::when_all(std::move(recvs)), gdr::when_all(std::move(sends)));
+          for (std::size_t i = 0; i < sizes.size(); ++i) {
+            CAPTURE(sizes[i]);
+            REQUIRE(!ss[i].error);
+            REQUIRE(!rs[i].error);
+            CHECK(ss[i].bytes == sizes[i]);
+            CHECK(rs[i].bytes == sizes[i]);
+            CHECK(rs[i].message_size == sizes[i]);
+            CHECK(std::equal(out[i].begin(), out[i].end(), in[i].begin()));
+            wire_protocol want = sizes[i] > e ? wire_protocol::rendezvous : wire_protocol::eager;
+            CHECK(ss[i].protocol == want);
+            CHECK(rs[i].protocol == want);
+          }
+          CHECK(a.stats().rendezvous_sends == 3);
+          CHECK(a.stats().eager_sends == 5);
+          co_await a.close();
+          co_await b.close();
+        },
+        small_threshold(e), small_threshold(e));
+  }
+}
+
+TEST_CASE_TEMPLATE("receives match messages of their own tag, in order, whatever else is waiting", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        // Sent: 1:A, 2:B, 1:C (C large: rendezvous), 3:D. Received: tag 2, tag 3, then tag 1 twice.
+        auto A = pattern(10, 1), B = pattern(20, 2), C = pattern(200000, 3), D = pattern(30, 4);
+        co_await a.send(cbytes_of(A), tag{1});
+        co_await a.send(cbytes_of(B), tag{2});
+        auto big = report_of(a.send(cbytes_of(C), tag{1}));
+        co_await a.send(cbytes_of(D), tag{3});
+        std::vector<std::byte> in(300000);
+        std::size_t n = co_await b.recv(bytes_of(in), tag{2});
+        CHECK(n == B.size());
+        CHECK(std::equal(B.begin(), B.end(), in.begin()));
+        n = co_await b.recv(bytes_of(in), tag{3});
+        CHECK(n == D.size());
+        CHECK(std::equal(D.begin(), D.end(), in.begin()));
+        n = co_await b.recv(bytes_of(in), tag{1});
+        CHECK(n == A.size());
+        CHECK(std::equal(A.begin(), A.end(), in.begin()));
+        auto [r, s] = co_await gdr::when_all(report_of(b.recv(bytes_of(in), tag{1})), std::move(big));
+        CHECK(!r.error);
+        CHECK(!s.error);
+        CHECK(r.bytes == C.size());
+        CHECK(r.tag == 1);
+        CHECK(std::equal(C.begin(), C.end(), in.begin()));
+        co_await a.close();
+      },
+      small_threshold(64 * 1024), small_threshold(64 * 1024));
+}
+
+TEST_CASE_TEMPLATE("a large message nobody receives yet blocks neither the messages behind it nor the connection", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    // 32 MiB announced and left waiting; small messages and one-sided work
+    // behind it still flow.
+    auto big = pattern(32u << 20, 9);
+    std::vector<std::byte> big_in(big.size());
+    auto small_traffic = [&]() -> gdr::task<int> {
+      int ok = 0;
+      for (int i = 0; i < 20; ++i) {
+        auto m = pattern(100, static_cast<std::uint32_t>(i));
+        std::vector<std::byte> in(100);
+        auto [s, r] = co_await gdr::when_all(report_of(a.send(cbytes_of(m), tag{1})),
+                                             report_of(b.recv(bytes_of(in), tag{1})));
+        if (!s.error && !r.error && in == m) ++ok;
+      }
+      co_return ok;
+    };
+    // when_all starts the big send first; only after the small traffic is
+    // the big message received.
+    auto [sent, ok] = co_await gdr::when_all(report_of(a.send(cbytes_of(big), tag{7})), [&]() -> gdr::task<int> {
+      int n = co_await small_traffic();
+      co_await b.recv(bytes_of(big_in), tag{7});
+      co_return n;
+    }());
+    CHECK(ok == 20);
+    CHECK(!sent.error);
+    CHECK(sent.protocol == wire_protocol::rendezvous);
+    CHECK(big_in == big);
+    co_await a.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("early messages beyond the store's bounds are held back by flow control, never lost", T,
+                   CONFORMANCE_TRANSPORTS) {
+  gdr::protocol_options o;
+  o.unexpected_bytes = 4096;
+  o.unexpected_messages = 8;
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        constexpr int n = 100;
+        std::vector<std::vector<std::byte>> out;
+        for (int i = 0; i < n; ++i) out.push_back(pattern(1000, static_cast<std::uint32_t>(i)));
+        int sent = 0;
+        for (int i = 0; i < n; ++i)
+          conformance::spawn([&, i]() -> gdr::task<> { co_await a.send(cbytes_of(out[i])); }, sent);
+        // Let the sender run ahead: the receiver keeps at most the bounds.
+        co_await gdr::sleep_for(20ms);
+        CHECK(b.stats().unexpected <= 8);
+        std::vector<std::byte> in(1000);
+        for (int i = 0; i < n; ++i) {
+          std::size_t got = co_await b.recv(bytes_of(in));
+          CHECK(got == 1000);
+          CHECK(in == out[i]);
+        }
+        CHECK(co_await conformance::eventually(a.get_scheduler(), [&] { return sent == n; }));
+        CHECK(b.stats().paused > 0);
+        co_await a.close();
+      },
+      o, o);
+}
+
+TEST_CASE_TEMPLATE("a message larger than its receive is truncated, reports its size, and the next one is intact",
+                   T, CONFORMANCE_TRANSPORTS) {
+  constexpr std::size_t e = 1024;
+  for (std::size_t size : {std::size_t{600}, std::size_t{100000}}) {  // eager, rendezvous
+    CAPTURE(size);
+    conformance::run_both<T>(
+        [&](auto& a, auto& b) -> gdr::task<> {
+          auto m = pattern(size, 1), next = pattern(50, 2);
+          std::vector<std::byte> small(100, std::byte{0xEE}), guard(16, std::byte{0x5A});
+          std::vector<std::byte> room(small.size() + guard.size(), std::byte{0x5A});
+          std::fill(room.begin(), room.begin() + 100, std::byte{0xEE});
+          auto [s, r] = co_await gdr::when_all(
+              report_of(a.send(cbytes_of(m))),
+              report_of(b.recv(gdr::view<std::byte, gdr::Host>(room.data(), 100))));
+          CHECK(!s.error);  // the sender's message was consumed
+          CHECK(r.error == gdr::errc::truncated);
+          CHECK(r.bytes == 100);
+          CHECK(r.message_size == size);
+          CHECK(std::equal(m.begin(), m.begin() + 100, room.begin()));
+          CHECK(std::all_of(room.begin() + 100, room.end(), [](std::byte x) { return x == std::byte{0x5A}; }));
+          // The throwing form names the size.
+          std::string what;
+          auto throwing = [&]() -> gdr::task<> {
+            try {
+              co_await b.recv(gdr::view<std::byte, gdr::Host>(room.data(), 10));
+            } catch (const gdr::error& e) {
+              what = e.what();
+            }
+          };
+          co_await gdr::when_all(throwing(), [&]() -> gdr::task<> { co_await a.send(cbytes_of(m)); }());
+          CHECK(what.find(std::to_string(size)) != std::string::npos);
+          // In step: the next message is whole.
+          std::vector<std::byte> in(50);
+          auto [s3, r3] = co_await gdr::when_all(report_of(a.send(cbytes_of(next))), report_of(b.recv(bytes_of(in))));
+          CHECK(!s3.error);
+          CHECK(r3.bytes == 50);
+          CHECK(in == next);
+          CHECK(b.stats().truncated == 2);
+          co_await a.close();
+        },
+        small_threshold(e), small_threshold(e));
+  }
+}
+
+TEST_CASE_TEMPLATE("a cancelled receive completes at once, writes nothing later, and the next receive gets the message",
+                   T, CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    std::vector<std::byte> poisoned(64, std::byte{0xCD});
+    std::stop_source src;
+    auto r = report_of(b.recv(bytes_of(poisoned), {src.get_token()}));
+    auto [rep, x] = co_await gdr::when_all(std::move(r), [&]() -> gdr::task<int> {
+      co_await gdr::sleep_for(2ms);
+      src.request_stop();
+      co_return 0;
+    }());
+    CHECK(rep.error == gdr::errc::cancelled);
+    auto m = pattern(64, 3);
+    co_await a.send(cbytes_of(m));
+    std::vector<std::byte> in(64);
+    CHECK(co_await b.recv(bytes_of(in)) == 64);
+    CHECK(in == m);
+    CHECK(std::all_of(poisoned.begin(), poisoned.end(), [](std::byte v) { return v == std::byte{0xCD}; }));
+    co_await a.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("a receive times out with timed_out and the endpoint stays usable", T, CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    std::vector<std::byte> in(8);
+    auto t0 = std::chrono::steady_clock::now();
+    op_report r = co_await report_of(b.recv(bytes_of(in), {30ms}));
+    CHECK(r.error == gdr::errc::timed_out);
+    CHECK(std::chrono::steady_clock::now() - t0 >= 30ms);
+    auto m = pattern(8, 1);
+    co_await a.send(cbytes_of(m));
+    CHECK(co_await b.recv(bytes_of(in)) == 8);
+    CHECK(in == m);
+    co_await a.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("an announced send nobody receives is withdrawn by its timeout and never delivered", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        auto big = pattern(100000, 1), next = pattern(100000, 2);
+        op_report r = co_await report_of(a.send(cbytes_of(big), {30ms}));
+        CHECK(r.error == gdr::errc::timed_out);
+        CHECK(a.stats().withdrawn == 1);
+        // The receiver gets the next message, not the withdrawn one.
+        std::vector<std::byte> in(100000);
+        auto [s, n] = co_await gdr::when_all(report_of(a.send(cbytes_of(next))), report_of(b.recv(bytes_of(in))));
+        CHECK(!s.error);
+        CHECK(!n.error);
+        CHECK(in == next);
+        co_await a.close();
+      },
+      small_threshold(1024), small_threshold(1024));
+}
+
+TEST_CASE_TEMPLATE("a stop after the receiver matched an announced send lets the send complete", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        // The receive is posted first, so the rtr is on its way as soon as
+        // the rts lands; a stop requested right after the send starts races
+        // with it. Either outcome is allowed, but exactly one: the message
+        // is received whole (the send succeeded) or not at all (withdrawn).
+        auto big = pattern(200000, 5);
+        std::vector<std::byte> in(200000);
+        for (int round = 0; round < 20; ++round) {
+          std::stop_source src;
+          auto recv = report_of(b.recv(bytes_of(in), {50ms}));
+          auto send = report_of(a.send(cbytes_of(big), {src.get_token()}));
+          auto [r, s, x] = co_await gdr::when_all(std::move(recv), std::move(send), [&]() -> gdr::task<int> {
+            src.request_stop();
+            co_return 0;
+          }());
+          if (!s.error) {
+            CHECK(!r.error);
+            CHECK(in == big);
+          } else {
+            CHECK(s.error == gdr::errc::cancelled);
+            CHECK(r.error == gdr::errc::timed_out);
+          }
+        }
+        co_await a.close();
+      },
+      small_threshold(1024), small_threshold(1024));
+}
+
+TEST_CASE_TEMPLATE("many rendezvous in flight at once all arrive intact", T, CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    constexpr int n = 16;
+    std::vector<std::vector<std::byte>> out, in;
+    for (int i = 0; i < n; ++i) {
+      out.push_back(pattern(1u << 20, static_cast<std::uint32_t>(i)));
+      in.emplace_back(1u << 20);
+    }
+    std::vector<gdr::task<op_report>> ops;
+    for (int i = 0; i < n; ++i) ops.push_back(report_of(a.send(cbytes_of(out[i]))));
+    for (int i = 0; i < n; ++i) ops.push_back(report_of(b.recv(bytes_of(in[i]))));
+    auto reps = co_await gdr::when_all(std::move(ops));
+    for (auto& r : reps) CHECK(!r.error);
+    for (int i = 0; i < n; ++i) CHECK(in[i] == out[i]);
+    CHECK(a.stats().rendezvous_sends == n);
+    CHECK(b.stats().recvs == n);
+    CHECK(b.stats().on_path(b.last_path()) >= 1);
+    co_await a.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("a send larger than the peer accepts fails alone and the endpoint stays usable", T,
+                   CONFORMANCE_TRANSPORTS) {
+  gdr::protocol_options limited;
+  limited.max_message = 4096;
+  limited.rendezvous_threshold = 1024;
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        // `b` accepts at most 4096 bytes: a's larger send fails locally.
+        auto big = pattern(5000, 1), ok = pattern(4096, 2);
+        // The handshake may still be on its way: the send waits for it.
+        op_report r = co_await report_of(a.send(cbytes_of(big)));
+        CHECK(r.error == gdr::errc::message_too_large);
+        CHECK(a.is_open());
+        CHECK(a.peer_max_message() == 4096);
+        std::vector<std::byte> in(4096);
+        auto [s, n] = co_await gdr::when_all(report_of(a.send(cbytes_of(ok))), report_of(b.recv(bytes_of(in))));
+        CHECK(!s.error);
+        CHECK(n.bytes == 4096);
+        CHECK(in == ok);
+        co_await a.close();
+      },
+      gdr::protocol_options{}, limited);
+}
+
+TEST_CASE_TEMPLATE("an orderly close delivers what was sent before it, then the peer sees peer_closed", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    auto m1 = pattern(10, 1), m2 = pattern(100000, 2);
+    std::vector<std::byte> in1(10), in2(100000), in3(8);
+    // A receive of a's pending at close time fails with closed.
+    auto mine = report_of(a.recv(bytes_of(in3)));
+    auto [r0, x] = co_await gdr::when_all(std::move(mine), [&]() -> gdr::task<int> {
+      co_await a.send(cbytes_of(m1));
+      auto s2 = [&]() -> gdr::task<op_report> { co_return co_await report_of(a.send(cbytes_of(m2))); };
+      auto r2 = [&]() -> gdr::task<op_report> {
+        co_await gdr::sleep_for(5ms);
+        co_return co_await report_of(b.recv(bytes_of(in2), tag{0}));
+      };
+      // m1 (eager, kept), then m2 (rendezvous: completes once received).
+      auto [s, r] = co_await gdr::when_all(s2(), [&]() -> gdr::task<op_report> {
+        co_await b.recv(bytes_of(in1));
+        co_return co_await r2();
+      }());
+      CHECK(!s.error);
+      CHECK(!r.error);
+      co_await a.close();
+      co_return 0;
+    }());
+    CHECK(r0.error == gdr::errc::closed);
+    CHECK(in1 == m1);
+    CHECK(in2 == m2);
+    op_report after = co_await report_of(b.recv(bytes_of(in3)));
+    CHECK(after.error == gdr::errc::peer_closed);
+    CHECK(b.error() == gdr::errc::peer_closed);
+    CHECK(a.error() == gdr::errc::closed);
+    op_report late = co_await report_of(a.send(cbytes_of(m1)));
+    CHECK(late.error == gdr::errc::closed);
+    co_await b.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("messages kept before the peer closed are still received after it", T, CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    auto m = pattern(100, 1);
+    co_await a.send(cbytes_of(m));
+    co_await a.close();
+    std::vector<std::byte> in(100);
+    CHECK(co_await b.recv(bytes_of(in)) == 100);
+    CHECK(in == m);
+    op_report r = co_await report_of(b.recv(bytes_of(in)));
+    CHECK(r.error == gdr::errc::peer_closed);
+  });
+}
+
+TEST_CASE_TEMPLATE("when the peer goes away every pending operation fails with connection_lost, in every state", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        std::vector<std::byte> mem(4096);
+        auto reg = gdr::register_memory(gdr::host_view(mem));
+        auto remote = reg.describe(0);
+        std::vector<std::byte> in(64), gin(4096);
+        auto big = pattern(100000, 1);
+        // Pending on `a` when `b` goes: a receive, and an announced send
+        // no receive matched. Started afterwards: a get.
+        auto r = report_of(a.recv(bytes_of(in)));
+        auto s = report_of(a.send(cbytes_of(big)));
+        auto t0 = std::chrono::steady_clock::now();
+        auto [rr, sr, x] = co_await gdr::when_all(std::move(r), std::move(s), [&]() -> gdr::task<int> {
+          co_await gdr::sleep_for(5ms);
+          b = {};  // the peer's endpoint is destroyed: aborted
+          co_return 0;
+        }());
+        CHECK(rr.error == gdr::errc::connection_lost);
+        CHECK(sr.error == gdr::errc::connection_lost);
+        CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+        op_report g = co_await report_of(a.get(gdr::host_view(gin), remote));
+        CHECK(g.error == gdr::errc::connection_lost);
+        CHECK(a.error() == gdr::errc::connection_lost);
+        co_await a.close();
+      },
+      small_threshold(1024), small_threshold(1024));
+}
+
+TEST_CASE_TEMPLATE("put and get move bytes to and from registered memory and are refused outside it", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    for (std::size_t size : {std::size_t{16}, std::size_t{300000}}) {
+      CAPTURE(size);
+      std::vector<std::uint32_t> target(size / 4, 0), back(size / 4, 0), src(size / 4);
+      for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint32_t>(i * 7 + 1);
+      auto reg = gdr::register_memory(gdr::host_view(target));
+      auto rv = reg.describe(0);
+      CHECK(co_await a.put(gdr::host_view(src), rv) == size);
+      CHECK(target == src);
+      CHECK(co_await a.get(gdr::host_view(back), rv) == size);
+      CHECK(back == src);
+      // Wrong key: refused, nothing written.
+      auto bad = gdr::remote_view<std::uint32_t, gdr::Host>(rv.address(), rv.size(), rv.key() ^ 1, 0);
+      std::fill(target.begin(), target.end(), 0u);
+      op_report r = co_await report_of(a.put(gdr::host_view(src), bad));
+      CHECK(r.error == gdr::errc::remote_access);
+      CHECK(std::all_of(target.begin(), target.end(), [](std::uint32_t v) { return v == 0; }));
+      r = co_await report_of(a.get(gdr::host_view(back), bad));
+      CHECK(r.error == gdr::errc::remote_access);
+    }
+    CHECK(b.stats().refused == 4);
+    CHECK(b.stats().served_puts == 2);
+    CHECK(b.stats().served_gets == 2);
+    // Still in step: a message after the refusals.
+    auto m = pattern(10, 1);
+    std::vector<std::byte> in(10);
+    co_await a.send(cbytes_of(m));
+    CHECK(co_await b.recv(bytes_of(in)) == 10);
+    co_await a.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("the result and report forms never throw, the plain form throws gdr::error", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run<T>(gdr::run_mode::sleep, [&](auto& a, auto& b) -> gdr::task<> {
+    std::vector<std::byte> in(8);
+    gdr::result<std::size_t> r = co_await b.recv(bytes_of(in), {5ms}).as_result();
+    CHECK(r.error() == gdr::errc::timed_out);
+    bool threw = false;
+    try {
+      co_await b.recv(bytes_of(in), {5ms});
+    } catch (const gdr::error& e) {
+      threw = e.code() == gdr::errc::timed_out;
+    }
+    CHECK(threw);
+    co_await a.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("every successful operation is recorded with the path and protocol it took", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        auto small = pattern(100, 1), big = pattern(100000, 2);
+        // Large enough that TCP reads it straight into the view (above
+        // direct_read_threshold).
+        std::vector<std::byte> in(100000);
+        co_await a.send(cbytes_of(small));  // early: kept by b
+        op_report r = co_await report_of(b.recv(bytes_of(in)));
+        CHECK(r.path == gdr::transfer_path::host_eager);
+        CHECK(r.protocol == wire_protocol::eager);
+        auto [s2, r2] = co_await gdr::when_all(report_of(a.send(cbytes_of(big))), report_of(b.recv(bytes_of(in))));
+        CHECK(s2.protocol == wire_protocol::rendezvous);
+        CHECK(r2.protocol == wire_protocol::rendezvous);
+        CHECK(s2.path == gdr::transfer_path::host_zero_copy);
+        CHECK(r2.path == gdr::transfer_path::host_zero_copy);
+        CHECK(a.last_path() == gdr::transfer_path::host_zero_copy);
+        const auto& st = b.stats();
+        std::uint64_t total = 0;
+        for (auto c : st.by_path) total += c;
+        CHECK(total == st.sends + st.recvs + st.puts + st.gets);
+        CHECK(st.on_path(gdr::transfer_path::host_eager) == 1);
+        co_await a.close();
+      },
+      small_threshold(1024), small_threshold(1024));
+}
