@@ -23,7 +23,7 @@ TEST_CASE("pending operations on both ends fail when one end closes") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   lb::options opts;
-  opts.eager_limit = 0;
+  opts.rendezvous_threshold = 0;  // every non-empty send waits for its receive
   auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
   lb::endpoint& a = ends.first;
   lb::endpoint& b = ends.second;
@@ -35,15 +35,15 @@ TEST_CASE("pending operations on both ends fail when one end closes") {
     gdr_test::spawn([&]() -> gdr::task<> { a_send = co_await error_of(a.send(gdr::host_view(buf))); }, done, failed);
     gdr_test::spawn([&]() -> gdr::task<> { b_send = co_await error_of(b.send(gdr::host_view(buf))); }, done, failed);
     CHECK(done == 0);
-    a.close();
+    co_await a.close();
     while (done < 2) co_await gdr::nop();
     CHECK(a_send == errc::closed);
-    CHECK(b_send == errc::connection_lost);
+    CHECK(b_send == errc::peer_closed);
     // Later operations fail the same way.
     CHECK(co_await error_of(a.send(gdr::host_view(buf))) == errc::closed);
     CHECK(co_await error_of(a.recv(gdr::host_view(buf))) == errc::closed);
-    CHECK(co_await error_of(b.send(gdr::host_view(buf))) == errc::connection_lost);
-    CHECK(co_await error_of(b.recv(gdr::host_view(buf))) == errc::connection_lost);
+    CHECK(co_await error_of(b.send(gdr::host_view(buf))) == errc::peer_closed);
+    CHECK(co_await error_of(b.recv(gdr::host_view(buf))) == errc::peer_closed);
   }());
   CHECK(failed == 0);
   CHECK(!a.is_open());
@@ -63,14 +63,14 @@ TEST_CASE("pending receives on both ends fail when one end closes") {
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     gdr_test::spawn([&]() -> gdr::task<> { a_recv = co_await error_of(a.recv(gdr::host_view(x))); }, done, failed);
     gdr_test::spawn([&]() -> gdr::task<> { b_recv = co_await error_of(b.recv(gdr::host_view(y))); }, done, failed);
-    b.close();
+    co_await b.close();
     while (done < 2) co_await gdr::nop();
   }());
-  CHECK(a_recv == errc::connection_lost);
+  CHECK(a_recv == errc::peer_closed);
   CHECK(b_recv == errc::closed);
 }
 
-TEST_CASE("messages sent before a close are still delivered to the peer, then connection_lost") {
+TEST_CASE("messages sent before a close are still delivered to the peer, then peer_closed") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   auto ends = lb::make_pair(sched);
@@ -78,11 +78,11 @@ TEST_CASE("messages sent before a close are still delivered to the peer, then co
   lb::endpoint& b = ends.second;
   std::array<int, 2> m{5, 6}, in{};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    co_await a.send(gdr::host_view(m));  // eager: completes at once
-    a.close();
+    co_await a.send(gdr::host_view(m));  // eager: kept by b
+    co_await a.close();
     std::size_t n = co_await b.recv(gdr::host_view(in));
     CHECK(n == sizeof m);
-    CHECK(co_await error_of(b.recv(gdr::host_view(in))) == errc::connection_lost);
+    CHECK(co_await error_of(b.recv(gdr::host_view(in))) == errc::peer_closed);
   }());
   CHECK(in == m);
 }
@@ -116,11 +116,11 @@ TEST_CASE("close is idempotent, can be awaited like the TCP endpoint's, and erro
     gdr::result<std::size_t> r = co_await a.close().as_result();
     CHECK(r.has_value());
   }());
-  a.close();
   CHECK(a.error() == errc::closed);
-  CHECK(b.error() == errc::connection_lost);
-  b.close();
+  CHECK(b.error() == errc::peer_closed);
+  gdr::sync_wait(sched, [&]() -> gdr::task<> { co_await b.close(); }());
   CHECK(!a.is_open());
+  CHECK(!b.is_open());
   CHECK(lb::endpoint().error() == errc::closed);
 }
 
@@ -184,7 +184,7 @@ TEST_CASE("the awaiting coroutine's stop token cancels a waiting send") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   lb::options opts;
-  opts.eager_limit = 0;
+  opts.rendezvous_threshold = 0;  // every non-empty send waits for its receive
   auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
   lb::endpoint& a = ends.first;
   std::array<int, 4> x{};
@@ -240,7 +240,7 @@ TEST_CASE("a send with a timeout fails with timed_out when nobody receives, and 
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   lb::options opts;
-  opts.eager_limit = 0;
+  opts.rendezvous_threshold = 0;  // every non-empty send waits for its receive
   auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
   lb::endpoint& a = ends.first;
   lb::endpoint& b = ends.second;

@@ -106,11 +106,11 @@ TEST_CASE("a large send waits for its receive and completes only after the copy"
   CHECK(b.last_path() == transfer_path::host_zero_copy);
 }
 
-TEST_CASE("with an eager limit of zero every message takes the zero-copy path") {
+TEST_CASE("with a rendezvous threshold of zero every message waits for its receive and is copied once") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   lb::options opts;
-  opts.eager_limit = 0;
+  opts.rendezvous_threshold = 0;
   auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
   lb::endpoint& a = ends.first;
   lb::endpoint& b = ends.second;
@@ -126,6 +126,8 @@ TEST_CASE("with an eager limit of zero every message takes the zero-copy path") 
   CHECK(in == out);
   CHECK(a.stats().on_path(transfer_path::host_eager) == 0);
   CHECK(a.stats().on_path(transfer_path::host_zero_copy) == 1);
+  CHECK(b.stats().on_path(transfer_path::host_zero_copy) == 1);
+  CHECK(a.stats().rendezvous_sends == 1);
 }
 
 TEST_CASE("message boundaries are kept, including empty messages") {
@@ -157,9 +159,9 @@ TEST_CASE("a message larger than the receive view fails with truncated and write
   lb::endpoint& a = ends.first;
   lb::endpoint& b = ends.second;
   SUBCASE("eager") {}
-  SUBCASE("zero-copy") {
+  SUBCASE("rendezvous") {
     lb::options opts;
-    opts.eager_limit = 0;
+    opts.rendezvous_threshold = 0;
     std::tie(a, b) = lb::make_pair(sched, gdr::default_registry(), opts);
   }
   std::vector<std::uint8_t> out(64, 0xAB), in(48, 0);
@@ -242,12 +244,12 @@ TEST_CASE("sends complete in the order they started even when an eager one follo
   CHECK(in2 == small);
 }
 
-TEST_CASE("the eager capacity bounds what a direction buffers") {
+TEST_CASE("the store of early messages bounds what a receiving end keeps; the rest waits in the sender") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   lb::options opts;
-  opts.eager_limit = 100;
-  opts.eager_capacity = 250;
+  opts.rendezvous_threshold = 100;
+  opts.unexpected_bytes = 250;
   auto ends = lb::make_pair(sched, gdr::default_registry(), opts);
   lb::endpoint& a = ends.first;
   lb::endpoint& b = ends.second;
@@ -256,13 +258,17 @@ TEST_CASE("the eager capacity bounds what a direction buffers") {
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     for (int i = 0; i < 3; ++i)
       gdr_test::spawn([&]() -> gdr::task<> { co_await a.send(gdr::host_view(m)); }, done, failed);
-    CHECK(done == 2);  // 200 bytes buffered; the third would exceed 250: it waits
+    co_await gdr::sleep_for(std::chrono::milliseconds(5));
+    CHECK(done == 2);  // 200 bytes kept by b; the third would exceed 250: it waits
+    CHECK(b.stats().unexpected == 2);
+    CHECK(b.stats().paused == 1);
     std::array<char, 100> in{};
     for (int i = 0; i < 3; ++i) co_await b.recv(gdr::host_view(in));
     while (done < 3) co_await gdr::nop();
   }());
-  CHECK(a.stats().on_path(transfer_path::host_eager) == 2);
-  CHECK(a.stats().on_path(transfer_path::host_zero_copy) == 1);
+  // Two came out of the store, the third straight from the sender.
+  CHECK(b.stats().on_path(transfer_path::host_eager) == 2);
+  CHECK(b.stats().on_path(transfer_path::host_zero_copy) == 1);
 }
 
 TEST_CASE("both directions of a pair work independently") {
@@ -302,14 +308,14 @@ TEST_CASE("a failed send throws gdr::error at the co_await") {
   auto ends = lb::make_pair(sched);
   lb::endpoint& a = ends.first;
   lb::endpoint& b = ends.second;
-  b.close();
   std::array<int, 1> x{};
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    co_await b.close();
     try {
       co_await a.send(gdr::host_view(x));
       FAIL("send to a closed peer succeeded");
     } catch (const gdr::error& e) {
-      CHECK(e.code() == gdr::errc::connection_lost);
+      CHECK(e.code() == gdr::errc::peer_closed);
     }
   }());
 }

@@ -134,8 +134,8 @@ TEST_CASE("put and get on a closed pair fail, and a stop request cancels them") 
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     CHECK(co_await error_of(a.put(gdr::host_view(std::as_const(x)), r.describe(), gdr_test::stop_opts(src.get_token()))) ==
           errc::cancelled);
-    b.close();
-    CHECK(co_await error_of(a.put(gdr::host_view(std::as_const(x)), r.describe())) == errc::connection_lost);
+    co_await b.close();
+    CHECK(co_await error_of(a.put(gdr::host_view(std::as_const(x)), r.describe())) == errc::peer_closed);
     CHECK(co_await error_of(b.get(gdr::host_view(x), r.describe())) == errc::closed);
   }());
   CHECK(mem == std::array<int, 2>{});

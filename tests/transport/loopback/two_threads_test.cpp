@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <gdr/coro/sync_wait.hpp>
+#include <gdr/coro/when_all.hpp>
 #include <gdr/sched/timer.hpp>
 #include <gdr/transport/loopback.hpp>
 
@@ -146,7 +147,7 @@ TEST_CASE("a receive waiting on one thread is cancelled by a stop request from a
   CHECK(sb.inflight() == 0);
 }
 
-TEST_CASE("closing an end from the main thread fails operations waiting on two other threads") {
+TEST_CASE("closing an end on its thread fails the peer's operations waiting on another thread") {
   gdr_test::watchdog wd(30);
   gdr::scheduler sa, sb;
   auto ends = lb::make_pair(sa, sb);
@@ -154,22 +155,31 @@ TEST_CASE("closing an end from the main thread fails operations waiting on two o
   lb::endpoint& b = ends.second;
   std::atomic<int> started{0};
   std::error_code ea, eb;
-  auto waiter = [&](gdr::scheduler& s, lb::endpoint& ep, std::error_code& out) {
+  std::atomic<bool> close_now{false};
+  auto waiter = [&](gdr::scheduler& s, lb::endpoint& ep, std::error_code& out, bool closer) {
     gdr::sync_wait(s, [&]() -> gdr::task<> {
       std::array<int, 1> x{};
       auto op = ep.recv(gdr::host_view(x), gdr_test::timeout_opts(10s));
       ++started;
-      gdr::result<std::size_t> r = co_await std::move(op).as_result();
-      out = r.error();
+      auto wait = [&]() -> gdr::task<> {
+        gdr::result<std::size_t> r = co_await std::move(op).as_result();
+        out = r.error();
+      };
+      auto close = [&]() -> gdr::task<> {
+        if (!closer) co_return;
+        while (!close_now) co_await gdr::sleep_for(1ms);
+        co_await ep.close();
+      };
+      co_await gdr::when_all(wait(), close());
     }());
   };
-  std::thread ta([&] { waiter(sa, a, ea); });
-  std::thread tb([&] { waiter(sb, b, eb); });
+  std::thread ta([&] { waiter(sa, a, ea, true); });
+  std::thread tb([&] { waiter(sb, b, eb, false); });
   while (started < 2) std::this_thread::sleep_for(1ms);
   std::this_thread::sleep_for(5ms);
-  a.close();
+  close_now = true;
   ta.join();
   tb.join();
   CHECK(ea == errc::closed);
-  CHECK(eb == errc::connection_lost);
+  CHECK(eb == errc::peer_closed);
 }
