@@ -40,6 +40,7 @@
 // Transports
 #include <gdr/transport/common.hpp>
 #include <gdr/transport/loopback.hpp>
+#include <gdr/transport/path.hpp>
 #include <gdr/transport/tcp.hpp>
 
 // Bootstrap
