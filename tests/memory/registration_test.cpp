@@ -519,13 +519,15 @@ TEST_CASE("destroying a registration while a lease is out warns once and does no
 }
 
 TEST_CASE("when a revocation completes, no access from any thread is still in flight") {
-  // Threads serve accesses to their own slice of one registration in a loop
-  // until refused; the coroutine revokes and, once the wait is over, writes
-  // every byte. Under TSan, a write through a lease not ordered before the
-  // resumption is a reported race; the counter checks it in every build.
+  // Threads serve accesses to their own slice of one registration until
+  // refused, each in several steps with yields between them (as TCP reads a
+  // put's payload), so leases are out most of the time. The coroutine revokes
+  // and, once the wait is over, writes every byte. Under TSan a write through
+  // a lease not ordered before the resumption is a reported race; the
+  // counter checks the same in every build.
   gdr_test_support::watchdog dog(60);
   constexpr int threads = 4;
-  constexpr std::size_t slice = 64;
+  constexpr std::size_t slice = 64, step = 16;
   gdr::scheduler sched;
   gdr::memory_registry reg;
   std::vector<std::byte> mem(threads * slice);
@@ -541,23 +543,30 @@ TEST_CASE("when a revocation completes, no access from any thread is still in fl
         auto lease = reg.acquire(addr + t * slice, slice, key, access::write);
         if (!lease) break;
         in_flight.fetch_add(1);
-        std::memset(lease->data(), static_cast<int>(i & 0xff), slice);
+        for (std::size_t off = 0; off < slice; off += step) {
+          std::memset(lease->data() + off, static_cast<int>(i & 0xff), step);
+          std::this_thread::yield();
+        }
         in_flight.fetch_sub(1);
         served.fetch_add(1);
-        // glibc's rwlock prefers readers: leave gaps for the revoke's
-        // exclusive lock.
-        std::this_thread::yield();
       }
     });
   }
-  while (served.load() < 2000) std::this_thread::yield();
+  while (served.load() < 1000) std::this_thread::yield();
+  // One more lease, held across the revoke call: the revocation must wait.
+  auto pin = reg.acquire(addr, 1, key, access::read).value();
+  bool waited = false;
   int seen_in_flight = -1;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    co_await r.revoke();
+    gdr::revoke_awaitable w = r.revoke();
+    waited = !w.await_ready();
+    pin.release();  // what is left to wait for: the threads' leases
+    co_await w;
     seen_in_flight = in_flight.load();
     std::memset(mem.data(), 0xee, mem.size());  // "free" it
   }());
   for (auto& t : ts) t.join();
+  CHECK(waited);
   CHECK(seen_in_flight == 0);
   CHECK(reg.draining() == 0);
   CHECK(mem[0] == std::byte{0xee});
