@@ -44,6 +44,7 @@
 #include <gdr/protocol/options.hpp>
 #include <gdr/transport/common.hpp>
 #include <gdr/transport/loopback.hpp>
+#include <gdr/transport/path.hpp>
 #include <gdr/transport/tcp.hpp>
 
 // Bootstrap

@@ -5,24 +5,54 @@
 /// under a fresh random key and returns a move-only `registration` handle.
 /// `registration::describe(rank)` gives the `remote_view` to send to a peer;
 /// the peer names it in `ep.put(local, remote)` / `ep.get(local, remote)`. On
-/// every incoming access the owner calls `memory_registry::resolve`: the bytes
+/// every incoming access the owner calls `memory_registry::acquire`: the bytes
 /// must lie entirely inside one live registration with the right key and
 /// permission, or the access fails with `errc::remote_access` and nothing is
-/// read or written. Destroying (or `revoke()`-ing) the handle revokes the key
-/// at once; keys are never reused within a registry.
+/// read or written. Keys are never reused within a registry.
+///
+/// Revocation and accesses in flight
+/// =================================
+/// Serving an access can take several steps (TCP reads a put's payload over
+/// several `recv`s; a verbs NIC DMAs until its completion). `acquire` returns
+/// an `access_lease` that the server holds for all of them; the registry
+/// counts the leases of each registration. `revoke()` refuses new accesses
+/// at once and returns an awaitable that completes when no lease is left:
+///
+/// \code
+///   auto reg = gdr::register_memory(registry, gdr::host_view(buf));
+///   send_to_peer(reg.describe(my_rank));
+///   ...
+///   co_await reg.revoke();   // no access to buf is being served any more
+///   buf.clear();             // now it may be freed
+/// \endcode
+///
+/// `reg.revoke();` as a plain statement still revokes (revocation happens in
+/// the call; the awaitable only waits), as does destroying the handle; the
+/// memory must then stay allocated until the leases are gone, which only the
+/// awaitable tells. Destroying a handle while leases are out does not block
+/// the thread: it prints a one-line warning to stderr, because freeing the
+/// memory next would let an access being served write freed memory. This is
+/// the model that verbs deregistration (`ibv_dereg_mr` only after the work
+/// requests that use the MR complete) and CUDA IPC unmapping need.
 ///
 /// The registry remembers whether the host may dereference the memory. The
 /// host-side transports (loopback, TCP) move a put or get with the CPU, so
-/// `resolve` refuses a registration of memory it cannot touch (`Device`):
+/// `acquire` refuses a registration of memory it cannot touch (`Device`):
 /// a peer's put into GPU memory over TCP fails with `errc::remote_access`
 /// instead of a CPU store to a device address.
 ///
 /// Thread-safety: a registry may be used from any thread (registration is
-/// rare, resolution frequent: a shared mutex).
+/// rare, acquisition frequent: a shared mutex for the table, an atomic count
+/// per registration). A lease may be released on any thread; the awaitable
+/// resumes its coroutine on the scheduler it was awaited on.
 #pragma once
 
+#include <atomic>
+#include <cassert>
+#include <coroutine>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <shared_mutex>
@@ -35,6 +65,8 @@
 #include <gdr/memory/remote_view.hpp>
 #include <gdr/memory/space.hpp>
 #include <gdr/memory/view.hpp>
+#include <gdr/sched/operation.hpp>
+#include <gdr/sched/scheduler.hpp>
 
 namespace gdr {
 
@@ -45,11 +77,132 @@ enum class access : unsigned {
   read_write = 3,
 };
 
+/// `granted` includes every permission in `wanted`.
 constexpr bool allows(access granted, access wanted) noexcept {
   return (static_cast<unsigned>(granted) & static_cast<unsigned>(wanted)) == static_cast<unsigned>(wanted);
 }
 
 class memory_registry;
+class revoke_awaitable;
+
+namespace detail {
+
+/// What the registry keeps per registration. Its address is stable: it lives
+/// in a `std::map` node, which moves from the live table to the draining
+/// table by node handle when revoked with leases out.
+struct registration_record {
+  registration_record(std::uintptr_t b, std::size_t n, access p, bool host, std::uint64_t k) noexcept
+      : base(b), bytes(n), perm(p), host_accessible(host), key(k) {}
+  registration_record(const registration_record&) = delete;
+  registration_record& operator=(const registration_record&) = delete;
+
+  std::uintptr_t base;
+  std::size_t bytes;
+  access perm;
+  bool host_accessible;  // space_traits<S>::host_accessible of the registered view
+  std::uint64_t key;
+  /// (leases << 1) | revoked. One word, so that exactly one party sees the
+  /// moment "revoked and no lease left": `revoke`, if no lease was out, or
+  /// else the release of the last lease. That party finishes the revocation.
+  std::atomic<std::uint64_t> state{0};
+  /// The coroutines awaiting the revocation (guarded by the registry's mutex).
+  revoke_awaitable* waiters = nullptr;
+};
+
+inline constexpr std::uint64_t revoked_bit = 1;
+inline constexpr std::uint64_t one_lease = 2;
+
+}  // namespace detail
+
+/// An access to registered memory being served: while it lives, revoking the
+/// registration waits. Move-only; destroying it or calling `release()` ends
+/// the access. Made by `memory_registry::acquire`; the registry must outlive
+/// it.
+///
+/// Thread-safety: one lease is used by one thread at a time; it may be
+/// released on any thread (and leases of one registration concurrently).
+class access_lease {
+ public:
+  /// A lease that holds nothing (what a moved-from lease is).
+  access_lease() noexcept = default;
+  access_lease(access_lease&& o) noexcept
+      : reg_(std::exchange(o.reg_, nullptr)), rec_(std::exchange(o.rec_, nullptr)),
+        data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  access_lease& operator=(access_lease&& o) noexcept {
+    if (this != &o) {
+      release();
+      reg_ = std::exchange(o.reg_, nullptr);
+      rec_ = std::exchange(o.rec_, nullptr);
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  access_lease(const access_lease&) = delete;
+  access_lease& operator=(const access_lease&) = delete;
+  ~access_lease() { release(); }
+
+  /// The local address of the first byte of the access.
+  std::byte* data() const noexcept { return data_; }
+  /// The bytes of the access (the length `acquire` checked).
+  std::size_t size() const noexcept { return size_; }
+  /// Holds an access (not moved from, not released).
+  explicit operator bool() const noexcept { return rec_ != nullptr; }
+
+  /// Ends the access now: the memory is no longer touched through this
+  /// lease. If it was the last lease of a revoked registration, the
+  /// coroutines awaiting that revocation are posted to their schedulers.
+  /// Idempotent.
+  void release() noexcept;
+
+ private:
+  friend class memory_registry;
+  access_lease(memory_registry* reg, detail::registration_record* rec, std::byte* data, std::size_t size) noexcept
+      : reg_(reg), rec_(rec), data_(data), size_(size) {}
+  memory_registry* reg_ = nullptr;
+  detail::registration_record* rec_ = nullptr;
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+/// What `revoke()` returns: the revocation has happened (new accesses are
+/// refused); `co_await` it to wait until no access to the memory is being
+/// served. Discarding it is allowed (`reg.revoke();` revokes without
+/// waiting). Neither copyable nor movable: a waiting coroutine is linked
+/// into the registry through it.
+///
+/// Completion context: if no lease is left when awaited, it does not
+/// suspend. Otherwise the coroutine resumes on the scheduler it was awaited
+/// on (`scheduler::current()`, asserted), posted there by whichever thread
+/// released the last lease; no thread waits. Not cancellable: the wait is as
+/// long as the accesses being served, which their transports bound (a lost
+/// connection fails and releases them).
+class revoke_awaitable : private remote_work {
+ public:
+  /// Nothing to wait for.
+  revoke_awaitable() noexcept = default;
+  revoke_awaitable(const revoke_awaitable&) = delete;
+  revoke_awaitable& operator=(const revoke_awaitable&) = delete;
+  /// Unlinks a coroutine still waiting (only when its frame is destroyed
+  /// while suspended here).
+  ~revoke_awaitable();
+
+  /// No lease was out when the revocation happened (so the wait is over).
+  /// A `false` may be stale: `await_suspend` looks again under the lock.
+  bool await_ready() const noexcept { return reg_ == nullptr; }
+  bool await_suspend(std::coroutine_handle<> h) noexcept;
+  void await_resume() const noexcept {}
+
+ private:
+  friend class memory_registry;
+  revoke_awaitable(memory_registry* reg, std::uint64_t key) noexcept : reg_(reg), key_(key) {}
+  memory_registry* reg_ = nullptr;  // null: nothing to wait for
+  std::uint64_t key_ = 0;
+  scheduler* sched_ = nullptr;
+  std::coroutine_handle<> h_{};
+  revoke_awaitable* next_waiter_ = nullptr;  // the record's list, under the registry's mutex
+  bool linked_ = false;                      // in that list (under the registry's mutex)
+};
 
 /// A live registration of `view<T, S>`; revokes itself when destroyed.
 template <class T, class S>
@@ -57,26 +210,29 @@ class registration {
  public:
   registration() noexcept = default;
   registration(registration&& o) noexcept
-      : reg_(std::exchange(o.reg_, nullptr)), view_(o.view_), key_(o.key_) {}
+      : reg_(std::exchange(o.reg_, nullptr)), view_(o.view_), key_(o.key_), live_(std::exchange(o.live_, false)) {}
   registration& operator=(registration&& o) noexcept {
     if (this != &o) {
-      revoke();
+      revoke_on_drop();
       reg_ = std::exchange(o.reg_, nullptr);
       view_ = o.view_;
       key_ = o.key_;
+      live_ = std::exchange(o.live_, false);
     }
     return *this;
   }
   registration(const registration&) = delete;
   registration& operator=(const registration&) = delete;
-  ~registration() { revoke(); }
+  /// Revokes the key. Does not wait: if an access is still being served,
+  /// warns on stderr (see the file comment); `co_await revoke()` first.
+  ~registration() { revoke_on_drop(); }
 
   /// The registered memory.
   view<T, S> local() const noexcept { return view_; }
   /// The access key a peer must present.
   std::uint64_t key() const noexcept { return key_; }
-  /// Still registered.
-  bool live() const noexcept { return reg_ != nullptr; }
+  /// Registered and not revoked.
+  bool live() const noexcept { return live_; }
 
   /// What a peer needs to reach this memory: send it in a message.
   /// `owner_rank` is this process's rank, as the bootstrap numbers peers.
@@ -85,45 +241,36 @@ class registration {
   }
 
   /// Revokes the key now: later accesses fail with `errc::remote_access`.
-  /// Accesses already being served finish (they resolved before).
-  void revoke() noexcept;
+  /// Accesses being served go on; `co_await` the result to wait until none
+  /// is left, before freeing the memory. Calling it again (or on the
+  /// registry, `revoke(key())`) gives another awaitable for the same wait.
+  revoke_awaitable revoke() noexcept;
 
  private:
   friend class memory_registry;
-  registration(memory_registry* r, view<T, S> v, std::uint64_t key) noexcept : reg_(r), view_(v), key_(key) {}
-  memory_registry* reg_ = nullptr;
+  registration(memory_registry* r, view<T, S> v, std::uint64_t key) noexcept
+      : reg_(r), view_(v), key_(key), live_(true) {}
+  void revoke_on_drop() noexcept;
+
+  memory_registry* reg_ = nullptr;  // kept after revoke(): a later revoke() waits too
   view<T, S> view_{};
   std::uint64_t key_ = 0;
-};
-
-/// TEMPORARY (replaced by the registry's leases): an access being served.
-class access_lease {
- public:
-  access_lease() noexcept = default;
-  explicit access_lease(std::byte* p, std::size_t n) noexcept : p_(p), n_(n) {}
-  access_lease(access_lease&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(o.n_) {}
-  access_lease& operator=(access_lease&& o) noexcept {
-    p_ = std::exchange(o.p_, nullptr);
-    n_ = o.n_;
-    return *this;
-  }
-  std::byte* data() const noexcept { return p_; }
-  std::size_t size() const noexcept { return n_; }
-  void release() noexcept { p_ = nullptr; }
-
- private:
-  std::byte* p_ = nullptr;
-  std::size_t n_ = 0;
+  bool live_ = false;
 };
 
 /// The table of this process's registrations, consulted on every remote
 /// access. Transports take one (by reference) at construction;
-/// `default_registry()` is the process-wide one.
+/// `default_registry()` is the process-wide one. It must outlive its
+/// registrations, leases and revoke awaitables.
 class memory_registry {
  public:
   memory_registry() = default;
   memory_registry(const memory_registry&) = delete;
   memory_registry& operator=(const memory_registry&) = delete;
+  /// Leases still out would point into it: a bug (asserted).
+  ~memory_registry() {
+    assert(draining_.empty() && no_leases() && "gdr::memory_registry destroyed while accesses hold leases");
+  }
 
   /// Registers `v` for remote access `a`. Zero-length views are rejected
   /// (`errc::invalid_argument`).
@@ -136,63 +283,200 @@ class memory_registry {
     std::uint64_t key;
     do {
       // 64 bits from the kernel's CSPRNG: a peer cannot predict a key from the
-      // ones it has seen; a live key never repeats.
+      // ones it has seen; a key still live or draining never repeats.
       if (::getrandom(&key, sizeof key, 0) != static_cast<ssize_t>(sizeof key))
         throw error(errno_code(errno), "gdr::register_memory: getrandom");
-    } while (key == 0 || by_key_.contains(key));
-    by_key_.emplace(key, entry{reinterpret_cast<std::uintptr_t>(v.data()), v.size_bytes(), a,
-                               space_traits<S>::host_accessible});
+    } while (key == 0 || live_.contains(key) || draining_.contains(key));
+    live_.try_emplace(key, reinterpret_cast<std::uintptr_t>(v.data()), v.size_bytes(), a,
+                      space_traits<S>::host_accessible, key);
     return registration<T, S>(this, v, key);
   }
 
-  /// The owner's check of a remote access that the CPU will carry out:
-  /// `[addr, addr + len)` must lie inside the live registration `key`, which
-  /// must allow `a` and be memory the host may dereference. Returns the local
-  /// address, or `errc::remote_access`.
+  /// The owner's check of a remote access that the CPU will carry out, and
+  /// the start of serving it: `[addr, addr + len)` must lie inside the live
+  /// registration `key`, which must allow `a` and be memory the host may
+  /// dereference. Returns a lease on the bytes (hold it until the last byte
+  /// is read or written), or `errc::remote_access`.
+  result<access_lease> acquire(std::uint64_t addr, std::size_t len, std::uint64_t key, access a) noexcept {
+    std::shared_lock lock(mu_);
+    detail::registration_record* r = find_checked(addr, len, key, a);
+    if (r == nullptr) return errc::remote_access;
+    // Relaxed is enough: a revoke reads the count under the exclusive lock,
+    // which orders it after this shared section; the release that ends the
+    // lease is the acq_rel operation that publishes the access.
+    r->state.fetch_add(detail::one_lease, std::memory_order_relaxed);
+    return access_lease(this, r, reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr)), len);
+  }
+
+  /// `acquire`'s check without a lease. Deprecated for serving accesses
+  /// that span several steps (a revocation does not wait for them; use
+  /// `acquire`); kept until the transports switch.
   result<std::byte*> resolve(std::uint64_t addr, std::size_t len, std::uint64_t key, access a) const noexcept {
     std::shared_lock lock(mu_);
-    auto it = by_key_.find(key);
-    if (it == by_key_.end()) return errc::remote_access;
-    const entry& e = it->second;
-    // Overflow-safe containment: addr >= base && len <= size && addr - base <= size - len.
-    if (addr < e.base || len > e.bytes || addr - e.base > e.bytes - len) return errc::remote_access;
-    if (!allows(e.perm, a)) return errc::remote_access;
-    if (!e.host_accessible) return errc::remote_access;
+    if (find_checked(addr, len, key, a) == nullptr) return errc::remote_access;
     return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr));
   }
 
-  /// TEMPORARY: resolve as a lease.
-  result<access_lease> acquire(std::uint64_t addr, std::size_t len, std::uint64_t key, access a) noexcept {
-    result<std::byte*> r = resolve(addr, len, key, a);
-    if (!r) return r.error();
-    return access_lease(*r, len);
+  /// Revokes `key` now: later accesses fail with `errc::remote_access`.
+  /// `co_await` the result to wait until no lease of it is left. A key
+  /// already revoked gives an awaitable for the same wait (ready if it is
+  /// over); an unknown key one that is ready.
+  revoke_awaitable revoke(std::uint64_t key) noexcept {
+    std::unique_lock lock(mu_);
+    auto it = live_.find(key);
+    if (it == live_.end()) {
+      if (draining_.contains(key)) return revoke_awaitable(this, key);
+      return revoke_awaitable();
+    }
+    // No acquire runs under the exclusive lock: from here the count only falls.
+    const std::uint64_t old = it->second.state.fetch_or(detail::revoked_bit, std::memory_order_acq_rel);
+    if ((old >> 1) == 0) {
+      live_.erase(it);
+      return revoke_awaitable();
+    }
+    // A node handle moves the record without copying it or allocating:
+    // the leases keep pointing at it.
+    draining_.insert(live_.extract(it));
+    return revoke_awaitable(this, key);
   }
 
   /// Live registrations.
   std::size_t size() const noexcept {
     std::shared_lock lock(mu_);
-    return by_key_.size();
+    return live_.size();
   }
 
-  void revoke(std::uint64_t key) noexcept {
-    std::unique_lock lock(mu_);
-    by_key_.erase(key);
+  /// Revoked registrations that still have leases out.
+  std::size_t draining() const noexcept {
+    std::shared_lock lock(mu_);
+    return draining_.size();
   }
 
  private:
-  struct entry {
-    std::uintptr_t base;
-    std::size_t bytes;
-    access perm;
-    bool host_accessible;  // space_traits<S>::host_accessible of the registered view
-  };
+  friend class access_lease;
+  friend class revoke_awaitable;
+
+  // Under mu_ (shared or exclusive).
+  detail::registration_record* find_checked(std::uint64_t addr, std::size_t len, std::uint64_t key,
+                                            access a) const noexcept {
+    auto it = live_.find(key);
+    if (it == live_.end()) return nullptr;
+    const detail::registration_record& e = it->second;
+    // Overflow-safe containment: addr >= base && len <= size && addr - base <= size - len.
+    if (addr < e.base || len > e.bytes || addr - e.base > e.bytes - len) return nullptr;
+    if (!allows(e.perm, a)) return nullptr;
+    if (!e.host_accessible) return nullptr;
+    return const_cast<detail::registration_record*>(&e);
+  }
+
+  bool no_leases() const noexcept {
+    for (const auto& [key, r] : live_)
+      if ((r.state.load(std::memory_order_relaxed) >> 1) != 0) return false;
+    return true;
+  }
+
+  void release(detail::registration_record* r) noexcept {
+    // acq_rel: every lease holder's accesses to the memory happen before
+    // the party that sees the count reach zero, hence before the waiters
+    // resume (and free the memory).
+    const std::uint64_t old = r->state.fetch_sub(detail::one_lease, std::memory_order_acq_rel);
+    if (old == (detail::one_lease | detail::revoked_bit)) finish_revocation(r);
+  }
+
+  // The last lease of a revoked registration is gone: drop the record and
+  // hand every waiter to its scheduler. The list is taken under the lock;
+  // the posting happens after it, because a resumed coroutine may at once
+  // call into this registry.
+  void finish_revocation(detail::registration_record* r) noexcept;
+
+  void unlink(revoke_awaitable* w) noexcept;
+
   mutable std::shared_mutex mu_;
-  std::map<std::uint64_t, entry> by_key_;
+  std::map<std::uint64_t, detail::registration_record> live_;
+  std::map<std::uint64_t, detail::registration_record> draining_;  // revoked, leases out
 };
 
+// ---------------------------------------------------------------- out of line
+
+inline void access_lease::release() noexcept {
+  if (rec_ != nullptr) {
+    data_ = nullptr;
+    size_ = 0;
+    std::exchange(reg_, nullptr)->release(std::exchange(rec_, nullptr));
+  }
+}
+
+inline void memory_registry::finish_revocation(detail::registration_record* r) noexcept {
+  revoke_awaitable* w;
+  {
+    std::unique_lock lock(mu_);
+    w = std::exchange(r->waiters, nullptr);
+    for (revoke_awaitable* i = w; i != nullptr; i = i->next_waiter_) i->linked_ = false;
+    draining_.erase(r->key);  // r is gone
+  }
+  while (w != nullptr) {
+    // Read before posting: once posted, the coroutine may run and free `w`.
+    revoke_awaitable* next = w->next_waiter_;
+    if (w->sched_ != nullptr) {
+      w->sched_->post(w);
+    } else {
+      w->h_.resume();  // awaited outside a scheduler (asserted in debug builds)
+    }
+    w = next;
+  }
+}
+
+inline void memory_registry::unlink(revoke_awaitable* w) noexcept {
+  std::unique_lock lock(mu_);
+  if (!w->linked_) return;
+  auto it = draining_.find(w->key_);
+  if (it == draining_.end()) return;
+  for (revoke_awaitable** p = &it->second.waiters; *p != nullptr; p = &(*p)->next_waiter_) {
+    if (*p == w) {
+      *p = w->next_waiter_;
+      break;
+    }
+  }
+  w->linked_ = false;
+}
+
+inline revoke_awaitable::~revoke_awaitable() {
+  if (reg_ != nullptr && h_) reg_->unlink(this);
+}
+
+inline bool revoke_awaitable::await_suspend(std::coroutine_handle<> h) noexcept {
+  assert(scheduler::current() != nullptr && "co_await revoke(): await it inside a gdr::scheduler's loop");
+  std::unique_lock lock(reg_->mu_);
+  auto it = reg_->draining_.find(key_);
+  if (it == reg_->draining_.end()) return false;  // the last lease went meanwhile
+  h_ = h;
+  sched_ = scheduler::current();
+  run = [](remote_work* self) noexcept { static_cast<revoke_awaitable*>(self)->h_.resume(); };
+  next_waiter_ = std::exchange(it->second.waiters, this);
+  linked_ = true;
+  return true;
+}
+
 template <class T, class S>
-void registration<T, S>::revoke() noexcept {
-  if (reg_ != nullptr) std::exchange(reg_, nullptr)->revoke(key_);
+revoke_awaitable registration<T, S>::revoke() noexcept {
+  if (reg_ == nullptr) return revoke_awaitable();
+  live_ = false;
+  return reg_->revoke(key_);
+}
+
+template <class T, class S>
+void registration<T, S>::revoke_on_drop() noexcept {
+  if (!live_) return;
+  live_ = false;
+  revoke_awaitable wait = reg_->revoke(key_);
+  if (!wait.await_ready()) {
+    // Destructors do not block, and this one cannot wait: say it once, here,
+    // where the mistake starts.
+    std::fprintf(stderr,
+                 "gdr: a registration of %zu bytes at %p was destroyed while a peer's access to it is being "
+                 "served; keep the memory allocated until it ends: co_await reg.revoke() before freeing it\n",
+                 view_.size_bytes(), static_cast<const void*>(view_.data()));
+  }
 }
 
 /// The process-wide registry that endpoints use unless given another.

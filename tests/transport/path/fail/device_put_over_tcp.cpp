@@ -1,0 +1,5 @@
+// Must NOT compile: a put from local device memory into a peer's host
+// memory over TCP (the CPU would read device memory).
+#include <gdr/transport/path.hpp>
+
+void put_from_device_over_tcp() { gdr::require_path<gdr::tcp::transport, gdr::op::put, gdr::Device, gdr::Host>(); }
