@@ -31,6 +31,7 @@
 #include <gdr/protocol/engine.hpp>
 #include <gdr/protocol/options.hpp>
 #include <gdr/transport/common.hpp>
+#include <gdr/transport/path.hpp>
 
 namespace gdr {
 
@@ -63,18 +64,6 @@ template <class V>
 concept viewable = requires(V& v) {
   typename std::remove_cvref_t<decltype(gdr::detail::proto::as_view(v))>::space;
 };
-
-/// The compile-time check of one operation's spaces against the transport's
-/// path table (`transport_traits` rows until the path table lands).
-template <class Transport, class S>
-constexpr void check_space() noexcept {
-  static_assert(transport_supports<Transport, S>,
-                "gdr endpoint: no path moves this memory space over this transport "
-                "(transport_traits<Transport, S>::supported is false). Device memory needs a staged path: "
-                "copy it into a gdr::Pinned buffer first (co_await gdr::copy(dst, src, stream)) and send "
-                "that, or use another transport (CUDA IPC within a node, verbs with GPUDirect RDMA across "
-                "nodes).");
-}
 
 }  // namespace detail::proto
 
@@ -126,7 +115,7 @@ class basic_endpoint {
   template <detail::proto::viewable V>
   [[nodiscard]] op_awaitable send(V&& v, tag t, op_options opts = {}) const noexcept {
     auto w = detail::proto::as_view(v);
-    detail::proto::check_space<Transport, typename decltype(w)::space>();
+    require_path<Transport, op::send, typename decltype(w)::space>();
     auto b = w.as_bytes();
     // The engine only reads through a send's pointer.
     return {eng_, op_awaitable::kind::send, const_cast<std::byte*>(b.data()), b.size(),
@@ -148,7 +137,7 @@ class basic_endpoint {
   [[nodiscard]] op_awaitable recv(V&& v, tag t, op_options opts = {}) const noexcept {
     auto w = detail::proto::as_view(v);
     using W = decltype(w);
-    detail::proto::check_space<Transport, typename W::space>();
+    require_path<Transport, op::recv, typename W::space>();
     static_assert(!std::is_const_v<typename W::element_type>,
                   "gdr endpoint recv: cannot receive into a view of const elements");
     auto b = w.as_bytes();
@@ -189,8 +178,7 @@ class basic_endpoint {
   [[nodiscard]] op_awaitable put(V&& local, remote_view<U, RS> remote, op_options opts = {}) const noexcept {
     auto w = detail::proto::as_view(local);
     using W = decltype(w);
-    detail::proto::check_space<Transport, typename W::space>();
-    detail::proto::check_space<Transport, RS>();
+    require_path<Transport, op::put, typename W::space, RS>();
     static_assert(std::is_same_v<std::remove_const_t<typename W::element_type>, std::remove_const_t<U>>,
                   "gdr endpoint put: the local and remote element types differ");
     auto b = w.as_bytes();
@@ -205,8 +193,7 @@ class basic_endpoint {
   [[nodiscard]] op_awaitable get(V&& local, remote_view<U, RS> remote, op_options opts = {}) const noexcept {
     auto w = detail::proto::as_view(local);
     using W = decltype(w);
-    detail::proto::check_space<Transport, typename W::space>();
-    detail::proto::check_space<Transport, RS>();
+    require_path<Transport, op::get, typename W::space, RS>();
     static_assert(!std::is_const_v<typename W::element_type>,
                   "gdr endpoint get: cannot read into a view of const elements");
     static_assert(std::is_same_v<typename W::element_type, std::remove_const_t<U>>,
@@ -269,15 +256,11 @@ struct any_transport {
 };
 
 template <>
-struct transport_traits<any_transport, Host> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
-};
-template <>
-struct transport_traits<any_transport, Pinned> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
-};
+inline constexpr const char* transport_name_v<any_transport> = "any";
+
+template <class Op, class Local, class Remote>
+struct path_table<any_transport, Op, Local, Remote>
+    : detail::cpu_transport_rows<any_transport, Op, Local, Remote> {};
 
 /// An endpoint whose transport was chosen at run time: made from any
 /// transport's endpoint (`gdr::endpoint e = std::move(tcp_ep);`), with the

@@ -1,11 +1,11 @@
 /// \file
 /// What every transport shares: per-operation options (stop token, timeout),
-/// the path an operation takes, the transport traits table, and the record of
-/// which path each operation took.
+/// the paths an operation can take, and the counters that record which path
+/// each operation took.
 ///
 /// "Move bytes" (a transport: loopback, tcp, ipc, verbs) is kept apart from
-/// "how to move these bytes" (path choice and staging, `gdr/transport/path.hpp`
-/// once device memory arrives), as UCX keeps `uct/` apart from `ucp/`.
+/// "how to move these bytes" (the protocol layer, `gdr/protocol/`, and the
+/// path table, `gdr/transport/path.hpp`), as UCX keeps `uct/` apart from `ucp/`.
 #pragma once
 
 #include <array>
@@ -92,20 +92,5 @@ struct transfer_stats {
   /// Successful operations that took path `p`.
   std::uint64_t on_path(transfer_path p) const noexcept { return by_path[static_cast<std::size_t>(p)]; }
 };
-
-/// The transport traits table: what transport `T` moves zero-copy from and to
-/// memory space `S` (a type-level form of NCCL's `ptrSupport`). Conservative
-/// default: nothing. Each transport specializes it once, beside its code.
-template <class Transport, class S>
-struct transport_traits {
-  /// Bytes in `S` go straight to/from the wire with no intermediate copy.
-  static constexpr bool zero_copy = false;
-  /// Bytes in `S` can be moved at all (zero-copy or through staging).
-  static constexpr bool supported = false;
-};
-
-/// `Transport` can send and receive buffers in `S`.
-template <class Transport, class S>
-concept transport_supports = transport_traits<Transport, S>::supported;
 
 }  // namespace gdr

@@ -496,39 +496,4 @@ struct cpu_transport_rows<Transport, Op, gdr::Remote<S>, R>
 
 }  // namespace detail
 
-// ----------------------------------------------------------------------------
-// Rows of gdr::loopback::transport (gdr/transport/loopback/): one memcpy from
-// the sender's buffer into the receiver's (eager sends: two).
-// Host, Pinned (either side, every op): zero-copy. Device: unsupported until
-// loopback stages through the copy engines. Remote<S> local: unsupported.
-// ----------------------------------------------------------------------------
-namespace loopback {
-struct transport;
-}  // namespace loopback
-
-template <>
-inline constexpr const char* transport_name_v<loopback::transport> = "loopback";
-
-template <class Op, class Local, class Remote>
-struct path_table<loopback::transport, Op, Local, Remote>
-    : detail::cpu_transport_rows<loopback::transport, Op, Local, Remote> {};
-
-// ----------------------------------------------------------------------------
-// Rows of gdr::tcp::transport (gdr/transport/tcp/): `sendmsg` from the user's
-// buffer and large payloads read straight into it (the kernel still copies
-// between it and the socket buffers).
-// Host, Pinned (either side, every op): zero-copy. Device: unsupported until
-// the staged rows arrive. Remote<S> local: unsupported.
-// ----------------------------------------------------------------------------
-namespace tcp {
-struct transport;
-}  // namespace tcp
-
-template <>
-inline constexpr const char* transport_name_v<tcp::transport> = "tcp";
-
-template <class Op, class Local, class Remote>
-struct path_table<tcp::transport, Op, Local, Remote>
-    : detail::cpu_transport_rows<tcp::transport, Op, Local, Remote> {};
-
 }  // namespace gdr

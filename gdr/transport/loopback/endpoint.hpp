@@ -54,6 +54,7 @@
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transport/common.hpp>
+#include <gdr/transport/path.hpp>
 
 namespace gdr {
 
@@ -73,24 +74,17 @@ using endpoint_stats = protocol_stats;
 
 }  // namespace loopback
 
-/// Loopback moves host-accessible memory with one `memcpy` from the sender's
-/// buffer into the receiver's (early eager messages: two, see the file
-/// comment).
+// The loopback transport's rows of the path table (gdr/transport/path.hpp):
+// one memcpy from the sender's buffer into the receiver's (early eager
+// messages: two). Host and Pinned, either side, every operation:
+// zero-copy. Device: unsupported until loopback stages through the copy
+// engines. Remote<S> as the local side: unsupported.
 template <>
-struct transport_traits<loopback::transport, Host> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
-};
+inline constexpr const char* transport_name_v<loopback::transport> = "loopback";
 
-/// Pinned memory is host memory to the loopback transport.
-template <>
-struct transport_traits<loopback::transport, Pinned> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
-};
-
-// Device: the conservative default (unsupported) applies until the staged
-// path arrives.
+template <class Op, class Local, class Remote>
+struct path_table<loopback::transport, Op, Local, Remote>
+    : detail::cpu_transport_rows<loopback::transport, Op, Local, Remote> {};
 
 namespace detail::lb {
 

@@ -59,29 +59,24 @@
 #include <gdr/protocol/endpoint.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transport/common.hpp>
+#include <gdr/transport/path.hpp>
 #include <gdr/transport/tcp/connection.hpp>
 #include <gdr/transport/tcp/socket.hpp>
 
 namespace gdr {
 
-/// TCP sends host memory straight from the user's buffer (an iovec handed to
-/// `sendmsg`) and receives large payloads straight into it: no copy in user
-/// space. (The kernel still copies between the buffer and its socket buffers.)
+// The TCP transport's rows of the path table (gdr/transport/path.hpp):
+// `sendmsg` from the user's buffer, and large payloads read straight into
+// it (the kernel still copies between it and the socket buffers). Host and
+// Pinned, either side, every operation: zero-copy. Device: unsupported
+// until the staged rows arrive (a socket cannot reach GPU memory).
+// Remote<S> as the local side: unsupported.
 template <>
-struct transport_traits<tcp::transport, Host> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
-};
+inline constexpr const char* transport_name_v<tcp::transport> = "tcp";
 
-/// Pinned memory is host memory to a socket.
-template <>
-struct transport_traits<tcp::transport, Pinned> {
-  static constexpr bool zero_copy = true;
-  static constexpr bool supported = true;
-};
-
-// Device: the conservative default (unsupported) applies until the staged
-// path arrives. A socket cannot reach GPU memory.
+template <class Op, class Local, class Remote>
+struct path_table<tcp::transport, Op, Local, Remote>
+    : detail::cpu_transport_rows<tcp::transport, Op, Local, Remote> {};
 
 namespace tcp {
 

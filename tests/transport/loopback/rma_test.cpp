@@ -39,6 +39,7 @@ TEST_CASE("put writes into the peer's registered memory and get reads it back") 
     std::size_t m = co_await a.get(gdr::host_view(back), remote.subview(50, 100));
     CHECK(m == 800);
   }());
+  sched.drain();  // the serving end releases its leases when its answers are back
   for (int i = 0; i < 50; ++i) CHECK(target[i] == 0);
   for (int i = 0; i < 100; ++i) CHECK(target[50 + i] == 1000u + i);
   for (int i = 150; i < 256; ++i) CHECK(target[i] == 0);
@@ -78,6 +79,7 @@ TEST_CASE("put and get outside a registration, with a wrong key, or after revoca
     CHECK(co_await error_of(a.put(s, good.subview(0, 8))) == errc::remote_access);
     CHECK(co_await error_of(a.get(d, good.subview(0, 8))) == errc::remote_access);
   }());
+  sched.drain();  // the serving end releases its leases when its answers are back
   for (int i = 0; i < 40; ++i) CHECK(mem[i] == 0x11);
   for (int i = 40; i < 48; ++i) CHECK(mem[i] == 9);
   for (int i = 48; i < 64; ++i) CHECK(mem[i] == 0x11);
@@ -102,6 +104,7 @@ TEST_CASE("a read-only registration refuses put and a write-only one refuses get
     CHECK(buf == ro);
     CHECK(co_await a.put(gdr::host_view(std::as_const(buf)), r2.describe()) == 16);
   }());
+  sched.drain();  // the serving end releases its leases when its answers are back
   CHECK(ro == std::array<int, 4>{1, 2, 3, 4});
   CHECK(wo == std::array<int, 4>{1, 2, 3, 4});
 }
@@ -118,6 +121,7 @@ TEST_CASE("a local view larger than the remote view is an invalid argument") {
     CHECK(co_await error_of(a.put(gdr::host_view(std::as_const(big)), r.describe().subview(0, 4))) ==
           errc::invalid_argument);
   }());
+  sched.drain();  // the serving end releases its leases when its answers are back
 }
 
 TEST_CASE("put and get on a closed pair fail, and a stop request cancels them") {
@@ -138,5 +142,6 @@ TEST_CASE("put and get on a closed pair fail, and a stop request cancels them") 
     CHECK(co_await error_of(a.put(gdr::host_view(std::as_const(x)), r.describe())) == errc::peer_closed);
     CHECK(co_await error_of(b.get(gdr::host_view(x), r.describe())) == errc::closed);
   }());
+  sched.drain();  // the serving end releases its leases when its answers are back
   CHECK(mem == std::array<int, 2>{});
 }

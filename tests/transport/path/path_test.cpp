@@ -14,7 +14,9 @@
 #include <type_traits>
 
 #include <gdr/error.hpp>
+#include <gdr/transport/loopback.hpp>
 #include <gdr/transport/path.hpp>
+#include <gdr/transport/tcp.hpp>
 
 using gdr::AnySpace;
 using gdr::Device;
