@@ -38,11 +38,24 @@
 /// sequentially consistent, so a push racing with the loop going to sleep is
 /// seen by one side or the other (Dekker).
 ///
-/// Ownership. The scheduler owns the ring, the eventfd and the remote queue's
-/// head. Operations are owned by their coroutines (they live in coroutine
-/// frames); an operation must outlive its last completion, which is why a
-/// cancelled operation still waits for its CQE before its coroutine resumes.
-/// Pollers are owned by whoever added them.
+/// A wake-up is never lost to MSG_RING. Whether the kernel has it (Linux 5.18)
+/// is probed once per process; without it, or with
+/// `scheduler_options::msg_ring_wakeups` off, posters write the eventfd. The
+/// message's own completion comes back to the poster's ring, and one that
+/// carries an error (the target's CQ could not take it, an old or restricted
+/// kernel) is delivered through the eventfd instead. That completion may be
+/// reaped after the target is gone, so the eventfd is not the target's alone:
+/// it lives in a reference-counted `detail::wake_channel` that each message in
+/// flight holds; the target's destructor drops its own reference, and the last
+/// message to complete closes the descriptor. A late fallback therefore writes
+/// an eventfd nobody reads, never a descriptor number reused by someone else.
+///
+/// Ownership. The scheduler owns the ring, the eventfd (shared with wake-up
+/// messages in flight, above) and the remote queue's head. Operations are owned
+/// by their coroutines (they live in coroutine frames); an operation must
+/// outlive its last completion, which is why a cancelled operation still waits
+/// for its CQE before its coroutine resumes. Pollers are owned by whoever added
+/// them.
 #pragma once
 
 #include <liburing.h>
@@ -84,15 +97,21 @@ enum class run_mode {
 struct scheduler_options {
   unsigned sq_entries = 256;          ///< io_uring submission queue size
   run_mode mode = run_mode::sleep;    ///< how the loop waits
+  /// Other schedulers' threads wake this one with `IORING_OP_MSG_RING` when
+  /// the kernel has it (probed once per process). False: they write its
+  /// eventfd, as plain threads do (slower, ~2x; for kernels whose MSG_RING
+  /// misbehaves, and for tests).
+  bool msg_ring_wakeups = true;
 };
 
 /// Counters a scheduler keeps; cheap, for tests and benchmarks.
 struct scheduler_stats {
-  std::uint64_t iterations = 0;   ///< run_once calls
-  std::uint64_t completions = 0;  ///< CQEs dispatched to operations
-  std::uint64_t submits = 0;      ///< io_uring_enter calls made to submit or wait
-  std::uint64_t sleeps = 0;       ///< times the loop blocked in the kernel
-  std::uint64_t remote = 0;       ///< remote_work nodes run
+  std::uint64_t iterations = 0;       ///< run_once calls
+  std::uint64_t completions = 0;      ///< CQEs dispatched to operations
+  std::uint64_t submits = 0;          ///< io_uring_enter calls made to submit or wait
+  std::uint64_t sleeps = 0;           ///< times the loop blocked in the kernel
+  std::uint64_t remote = 0;           ///< remote_work nodes run
+  std::uint64_t msg_ring_failed = 0;  ///< wake-up messages this loop sent that failed (sent again by eventfd)
 };
 
 class scheduler;
@@ -102,8 +121,50 @@ inline thread_local scheduler* current_scheduler = nullptr;
 
 // user_data values that are not operations. Heap and stack addresses are never
 // this small.
-inline constexpr std::uint64_t ignore_tag = 0;  // cancel requests, MSG_RING sources
+inline constexpr std::uint64_t ignore_tag = 0;  // cancel requests, link timeouts
 inline constexpr std::uint64_t wake_tag = 1;    // MSG_RING wake-ups from other rings
+// Set in the user_data of a MSG_RING wake-up sent from this ring, whose other
+// bits are the target's wake_channel. Operations are at least 8-byte aligned,
+// so their addresses never have it.
+inline constexpr std::uint64_t message_bit = 1;
+
+/// A scheduler's eventfd, shared by the scheduler and by the MSG_RING
+/// wake-ups in flight to it (see "A wake-up is never lost" in the file
+/// comment). The last reference closes the descriptor.
+struct wake_channel {
+  int fd = -1;
+  std::atomic<std::uint32_t> refs{1};
+
+  void acquire() noexcept { refs.fetch_add(1, std::memory_order_relaxed); }
+  void release() noexcept {
+    // acq_rel: every holder's use of `fd` happens before the close.
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      ::close(fd);
+      delete this;
+    }
+  }
+  /// Wakes the ring that reads this eventfd. Any thread.
+  void signal() const noexcept {
+    std::uint64_t one = 1;
+    // A full counter (EAGAIN) means a wake-up is pending anyway.
+    [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof one);
+  }
+};
+
+/// Whether this kernel has IORING_OP_MSG_RING, asked once per process (of the
+/// first scheduler's ring: io_uring_get_probe would set up a ring of its own).
+inline bool msg_ring_supported(io_uring& ring) noexcept {
+  static const bool supported = [&ring] {
+    io_uring_probe* p = io_uring_get_probe_ring(&ring);
+    if (p == nullptr) return false;  // no IORING_REGISTER_PROBE (before 5.6): older than MSG_RING too
+    bool yes = io_uring_opcode_supported(p, IORING_OP_MSG_RING) != 0;
+    io_uring_free_probe(p);
+    return yes;
+  }();
+  return supported;
+}
+
+struct scheduler_testing;
 }  // namespace detail
 
 /// An io_uring event loop. See the file comment for the design.
@@ -113,7 +174,7 @@ inline constexpr std::uint64_t wake_tag = 1;    // MSG_RING wake-ups from other 
 class scheduler {
  public:
   /// Creates the ring. Throws `gdr::error` (with the errno from
-  /// `io_uring_queue_init`) when io_uring is unavailable.
+  /// `io_uring_queue_init`) when io_uring is unavailable, `std::bad_alloc`.
   explicit scheduler(scheduler_options opts = {}) : mode_(opts.mode) {
     io_uring_params p{};
     // COOP_TASKRUN: completions are delivered at the next kernel entry instead of
@@ -130,12 +191,21 @@ class scheduler {
     tsan_ring_handoff(true);
     // EFD_NONBLOCK matters: a blocking eventfd sends io_uring's read to a kernel
     // worker thread, 35-60 us a wake-up instead of ~2 us (measured here).
-    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (wake_fd_ < 0) {
+    int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) {
       int err = errno;
       io_uring_queue_exit(&ring_);
       throw error(errno_code(err), "eventfd");
     }
+    try {
+      channel_ = new detail::wake_channel{};
+    } catch (...) {
+      ::close(fd);
+      io_uring_queue_exit(&ring_);
+      throw;
+    }
+    channel_->fd = fd;
+    if (opts.msg_ring_wakeups && detail::msg_ring_supported(ring_)) msg_ring_fd_ = ring_.ring_fd;
     wake_op_.self = this;
     wake_op_.complete = &wake_read_done;
     arm_wake_read();
@@ -145,13 +215,18 @@ class scheduler {
   scheduler& operator=(const scheduler&) = delete;
 
   /// Destroys the ring. Operations still in flight are a bug of the caller
-  /// (their coroutines would never resume); asserted in debug builds.
+  /// (their coroutines would never resume); asserted in debug builds. The
+  /// wake-up messages this loop sent are reaped first (they complete at
+  /// once), so a failed one still reaches its target.
   ~scheduler() {
     assert(inflight_ == 0 && "scheduler destroyed with operations in flight");
     assert(remote_head_.load() == nullptr && "scheduler destroyed with posted work");
+    while (messages_inflight_ != 0) run_once(true);
     tsan_ring_handoff(false);
     io_uring_queue_exit(&ring_);
-    ::close(wake_fd_);
+    // Wake-up messages still in flight to this ring keep the eventfd open
+    // until their completions are reaped by their senders.
+    channel_->release();
   }
 
   /// The scheduler running on this thread, or nullptr.
@@ -237,21 +312,27 @@ class scheduler {
     if (sleeping_.load(std::memory_order_seq_cst)) wake();
   }
 
-  /// Wakes the loop if it sleeps in the kernel. Safe from any thread.
+  /// Wakes the loop if it sleeps in the kernel. Safe from any thread while
+  /// this scheduler exists. From a thread that runs a scheduler of its own,
+  /// the wake-up is a MSG_RING message sent from that ring, whose completion
+  /// that loop reaps (a failed one is sent again through the eventfd).
   void wake() noexcept {
     scheduler* from = current();
-    if (from != nullptr && from != this) {
-      // The poster has a ring of its own: message our ring directly.
+    if (from != nullptr && from != this && msg_ring_fd_ >= 0) {
       if (io_uring_sqe* sqe = from->get_sqe()) {
-        io_uring_prep_msg_ring(sqe, ring_.ring_fd, 0, detail::wake_tag, 0);
-        io_uring_sqe_set_data64(sqe, detail::ignore_tag);
+        // The message's reference to the eventfd: its completion, reaped by
+        // `from` perhaps after this scheduler is gone, may need it.
+        channel_->acquire();
+        // The kernel resolves msg_ring_fd_ during the submit below, while
+        // this scheduler (our caller's target) still exists.
+        io_uring_prep_msg_ring(sqe, msg_ring_fd_, 0, detail::wake_tag, 0);
+        io_uring_sqe_set_data64(sqe, reinterpret_cast<std::uintptr_t>(channel_) | detail::message_bit);
+        ++from->messages_inflight_;
         from->submit();
         return;
       }
     }
-    std::uint64_t one = 1;
-    // A full counter (EAGAIN) means a wake-up is pending anyway.
-    [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof one);
+    channel_->signal();
   }
 
   /// Awaitable that resumes the awaiting coroutine on this scheduler's
@@ -309,12 +390,32 @@ class scheduler {
     while (!done()) run_once(true);
   }
 
-  /// Runs until no operation is in flight and no posted work is queued.
+  /// Runs until no operation is in flight, no posted work is queued and the
+  /// wake-up messages this loop sent to others have completed.
   void drain() {
-    run_until([this] { return inflight_ == 0 && remote_head_.load() == nullptr; });
+    run_until([this] { return quiescent(); });
   }
 
  private:
+  friend struct detail::scheduler_testing;
+
+  bool quiescent() const noexcept {
+    return inflight_ == 0 && messages_inflight_ == 0 && remote_head_.load() == nullptr;
+  }
+
+  // A MSG_RING wake-up this loop sent has completed (the poster's side).
+  [[gnu::noinline]] void message_done(std::uint64_t user_data, int res) noexcept {
+    auto* ch = reinterpret_cast<detail::wake_channel*>(static_cast<std::uintptr_t>(user_data & ~detail::message_bit));
+    --messages_inflight_;
+    if (res < 0) {
+      // EBADFD, EOVERFLOW, EINVAL (no MSG_RING after all)...: the target
+      // (alive or not) gets the wake-up through its eventfd.
+      ++stats_.msg_ring_failed;
+      ch->signal();
+    }
+    ch->release();
+  }
+
   // liburing maps and unmaps the rings with raw system calls, which TSan does
   // not see: when a ring freed on one thread is mapped again at the same
   // address by another, TSan takes the first SQE writes of the new ring for a
@@ -359,7 +460,7 @@ class scheduler {
   void arm_wake_read() noexcept {
     io_uring_sqe* sqe = get_sqe();
     if (sqe == nullptr) return;  // unreachable: only called with a free SQ slot
-    io_uring_prep_read(sqe, wake_fd_, &wake_buf_, sizeof wake_buf_, 0);
+    io_uring_prep_read(sqe, channel_->fd, &wake_buf_, sizeof wake_buf_, 0);
     // Not counted in inflight_: it is the loop's own, always pending.
     io_uring_sqe_set_data(sqe, static_cast<operation*>(&wake_op_));
   }
@@ -423,8 +524,12 @@ class scheduler {
   }
 
   void dispatch(std::uint64_t user_data, int res, std::uint32_t flags) noexcept {
-    static_assert(detail::ignore_tag == 0 && detail::wake_tag == 1);
+    static_assert(detail::ignore_tag == 0 && detail::wake_tag == 1 && alignof(operation) > detail::message_bit);
     if (GDR_UNLIKELY(user_data <= detail::wake_tag)) return;  // not an operation
+    if (GDR_UNLIKELY(user_data & detail::message_bit)) {
+      message_done(user_data, res);
+      return;
+    }
     operation* op = operation::from_user_data(user_data);
     if (GDR_LIKELY(op != &wake_op_)) {
       ++stats_.completions;
@@ -457,16 +562,35 @@ class scheduler {
 
   io_uring ring_{};
   run_mode mode_;
-  int wake_fd_ = -1;
+  detail::wake_channel* channel_ = nullptr;  // our eventfd; one reference is ours
+  // Where other loops send MSG_RING wake-ups: our ring, or -1 when they
+  // write the eventfd instead.
+  int msg_ring_fd_ = -1;
   std::uint64_t wake_buf_ = 0;
   wake_op wake_op_{};
   std::size_t inflight_ = 0;
+  std::size_t messages_inflight_ = 0;  // MSG_RING wake-ups sent from this ring, not reaped yet
   std::vector<poller*> pollers_;
   std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
   std::atomic<remote_work*> remote_head_{nullptr};
   std::atomic<bool> sleeping_{false};
   scheduler_stats stats_{};
 };
+
+namespace detail {
+
+/// Test access to a scheduler's wake-up path, for tests of its failure
+/// handling. Not for production use.
+struct scheduler_testing {
+  /// Makes other loops' MSG_RING wake-ups to `s` fail in the kernel: they
+  /// are sent to its eventfd, which is not a ring (EBADFD). Call before
+  /// other threads post to `s`.
+  static void misdirect_msg_ring(scheduler& s) noexcept { s.msg_ring_fd_ = s.channel_->fd; }
+  /// Whether other loops wake `s` with MSG_RING (false: through its eventfd).
+  static bool wakes_by_msg_ring(const scheduler& s) noexcept { return s.msg_ring_fd_ >= 0; }
+};
+
+}  // namespace detail
 
 /// The scheduler running on this thread. Precondition: called from inside a
 /// scheduler's loop (a coroutine started by `sync_wait` or `run_until`).
