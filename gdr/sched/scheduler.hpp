@@ -22,7 +22,8 @@
 /// endpoints while the loop busy-polls) are `poller`s, polled once per
 /// iteration after the CQ.
 ///
-/// One iteration (`run_once`): drain the remote queue; reap every available
+/// One iteration (`run_once`): send the cancels kept for want of an SQE (see
+/// "Cancellation"); drain the remote queue; reap every available
 /// CQE (copied out, CQ advanced, then dispatched, so a completion handler may
 /// prepare new SQEs freely); poll each poller; then, if nothing did work and
 /// the mode is `sleep`, submit and block in `io_uring_enter` until a CQE
@@ -50,6 +51,13 @@
 /// message to complete closes the descriptor. A late fallback therefore writes
 /// an eventfd nobody reads, never a descriptor number reused by someone else.
 ///
+/// Cancellation. `cancel(op)` queues an `IORING_OP_ASYNC_CANCEL`. If no SQE can
+/// be had (the SQ is full and the kernel refuses to take it: EAGAIN, EBUSY),
+/// the request waits in a pending list and goes into the SQ at the start of the
+/// next iteration; a stopped operation never waits forever for a cancel that
+/// was dropped. A pending cancel whose operation completes first is forgotten,
+/// so it can never reach a new operation at the same address.
+///
 /// Ownership. The scheduler owns the ring, the eventfd (shared with wake-up
 /// messages in flight, above) and the remote queue's head. Operations are owned
 /// by their coroutines (they live in coroutine frames); an operation must
@@ -68,6 +76,7 @@
 #include <chrono>
 #include <coroutine>
 #include <cstdint>
+#include <new>
 #include <optional>
 #include <stop_token>
 #include <thread>
@@ -112,6 +121,7 @@ struct scheduler_stats {
   std::uint64_t sleeps = 0;           ///< times the loop blocked in the kernel
   std::uint64_t remote = 0;           ///< remote_work nodes run
   std::uint64_t msg_ring_failed = 0;  ///< wake-up messages this loop sent that failed (sent again by eventfd)
+  std::uint64_t cancels_deferred = 0; ///< cancels that found no free SQE and waited in the pending list
 };
 
 class scheduler;
@@ -199,7 +209,11 @@ class scheduler {
     }
     try {
       channel_ = new detail::wake_channel{};
+      // Room for the cancels of a burst in which the kernel refuses the SQ;
+      // a longer list allocates (see defer_cancel).
+      pending_cancels_.reserve(16);
     } catch (...) {
+      delete channel_;
       ::close(fd);
       io_uring_queue_exit(&ring_);
       throw;
@@ -274,13 +288,20 @@ class scheduler {
 
   /// Asks the kernel to cancel the operation `op` (async cancel). Its
   /// completion still arrives, with -ECANCELED unless it finished first.
-  /// Loop thread only.
+  /// Never dropped: without a free SQE the request waits for the next
+  /// iteration (see "Cancellation" in the file comment). `op` must be in
+  /// flight. Loop thread only.
   void cancel(operation* op) noexcept {
     io_uring_sqe* sqe = get_sqe();
-    if (sqe == nullptr) return;  // SQ full: the operation completes on its own
-    io_uring_prep_cancel64(sqe, op->user_data(), 0);
-    io_uring_sqe_set_data64(sqe, detail::ignore_tag);
+    if (GDR_UNLIKELY(sqe == nullptr)) {
+      defer_cancel(op->user_data());
+      return;
+    }
+    prep_cancel(sqe, op->user_data());
   }
+
+  /// Cancels requested without a free SQE, waiting for the next iteration.
+  std::size_t pending_cancels() const noexcept { return pending_cancels_.size(); }
 
   // ---------------------------------------------------------------- pollers
 
@@ -363,6 +384,7 @@ class scheduler {
   bool run_once(bool may_block = true) {
     binding bind(this);
     ++stats_.iterations;
+    if (GDR_UNLIKELY(!pending_cancels_.empty())) flush_cancels();
     bool worked = drain_remote();
     worked |= reap();
     auto bound = std::chrono::nanoseconds::max();
@@ -399,8 +421,63 @@ class scheduler {
  private:
   friend struct detail::scheduler_testing;
 
+  // A CQE as reap() copies it out of the ring.
+  struct completion {
+    std::uint64_t user_data;
+    int res;
+    std::uint32_t flags;
+  };
+
   bool quiescent() const noexcept {
     return inflight_ == 0 && messages_inflight_ == 0 && remote_head_.load() == nullptr;
+  }
+
+  void prep_cancel(io_uring_sqe* sqe, std::uint64_t target) noexcept {
+    io_uring_prep_cancel64(sqe, target, 0);
+    io_uring_sqe_set_data64(sqe, detail::ignore_tag);
+  }
+
+  // No SQE for a cancel (the kernel refused the SQ): keep it for flush_cancels.
+  [[gnu::noinline]] void defer_cancel(std::uint64_t target) noexcept {
+    // Its operation's final CQE may be in the batch being dispatched (a
+    // handler earlier in it asked for the cancel): then it is finishing
+    // anyway, and a cancel sent later could reach a new operation at the
+    // same address.
+    for (std::size_t i = 0; i < batch_size_; ++i)
+      if (batch_[i].user_data == target && !(batch_[i].flags & IORING_CQE_F_MORE)) return;
+    ++stats_.cancels_deferred;
+    try {
+      pending_cancels_.push_back(target);  // no allocation within the reserved 16
+      return;
+    } catch (const std::bad_alloc&) {
+    }
+    // No memory either: wait here for the kernel to take the SQ rather than
+    // lose the cancel (an operation stopped in vain can wait forever).
+    for (;;) {
+      submit();
+      if (io_uring_sqe* sqe = io_uring_get_sqe(&ring_)) {
+        prep_cancel(sqe, target);
+        return;
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  // Start of an iteration: the pending cancels go into the SQ, as many as fit.
+  [[gnu::noinline]] void flush_cancels() noexcept {
+    std::size_t sent = 0;
+    for (; sent < pending_cancels_.size(); ++sent) {
+      io_uring_sqe* sqe = get_sqe();
+      if (sqe == nullptr) break;
+      prep_cancel(sqe, pending_cancels_[sent]);
+    }
+    pending_cancels_.erase(pending_cancels_.begin(), pending_cancels_.begin() + static_cast<std::ptrdiff_t>(sent));
+  }
+
+  // The operations whose final CQEs are in `done` no longer need a cancel.
+  [[gnu::noinline]] void forget_cancels(const completion* done, unsigned n) noexcept {
+    for (unsigned i = 0; i < n; ++i)
+      if (!(done[i].flags & IORING_CQE_F_MORE)) std::erase(pending_cancels_, done[i].user_data);
   }
 
   // A MSG_RING wake-up this loop sent has completed (the poster's side).
@@ -486,11 +563,6 @@ class scheduler {
   }
 
   bool reap() noexcept {
-    struct completion {
-      std::uint64_t user_data;
-      int res;
-      std::uint32_t flags;
-    };
     constexpr unsigned batch = 64;
     bool worked = false;
     for (;;) {
@@ -516,7 +588,13 @@ class scheduler {
       }
       // Advance before dispatching: handlers may submit and even wait.
       io_uring_cq_advance(&ring_, n);
+      if (GDR_UNLIKELY(!pending_cancels_.empty())) forget_cancels(done, n);
+      // What defer_cancel looks at (restored: a handler may run a loop).
+      const completion* outer = std::exchange(batch_, done);
+      unsigned outer_size = std::exchange(batch_size_, n);
       for (unsigned i = 0; i < n; ++i) dispatch(done[i].user_data, done[i].res, done[i].flags);
+      batch_ = outer;
+      batch_size_ = outer_size;
       worked = true;
       if (n < batch) break;
     }
@@ -570,6 +648,9 @@ class scheduler {
   wake_op wake_op_{};
   std::size_t inflight_ = 0;
   std::size_t messages_inflight_ = 0;  // MSG_RING wake-ups sent from this ring, not reaped yet
+  std::vector<std::uint64_t> pending_cancels_;  // user_data of operations to cancel
+  const completion* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)
+  unsigned batch_size_ = 0;
   std::vector<poller*> pollers_;
   std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
   std::atomic<remote_work*> remote_head_{nullptr};

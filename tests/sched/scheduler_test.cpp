@@ -10,7 +10,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <stop_token>
 #include <thread>
 #include <utility>
@@ -473,4 +475,129 @@ TEST_CASE("MSG_RING support is probed from the kernel, and Linux 5.18 or later h
   bool new_enough = major > 5 || (major == 5 && minor >= 18);
   CHECK(gdr::detail::msg_ring_supported(*s.ring()) == new_enough);
   CHECK(gdr::detail::scheduler_testing::wakes_by_msg_ring(s) == new_enough);
+}
+
+namespace {
+
+// Makes io_uring_enter on `s`'s ring fail (EBADF) until `restore()`, as a
+// kernel that refuses to take the SQ (EAGAIN, or EBUSY on older kernels)
+// does: liburing enters the ring through `enter_ring_fd`. SQEs prepared
+// meanwhile stay in the SQ; no completion is lost.
+struct refused_submissions {
+  io_uring* ring;
+  int saved;
+  explicit refused_submissions(gdr::scheduler& s) noexcept
+      : ring(s.ring()), saved(std::exchange(s.ring()->enter_ring_fd, -1)) {}
+  void restore() noexcept { ring->enter_ring_fd = saved; }
+};
+
+gdr::task<void> sleep_into(gdr::result<void>& out, std::chrono::nanoseconds d) {
+  out = co_await gdr::sleep_for(d).as_result();
+}
+
+}  // namespace
+
+TEST_CASE("a cancel that finds no free SQE waits for the next iteration instead of being dropped") {
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4});
+  std::stop_source stop_first, stop_rest;
+  gdr::result<void> first = gdr::errc::busy;
+  gdr::result<void> rest[4] = {gdr::errc::busy, gdr::errc::busy, gdr::errc::busy, gdr::errc::busy};
+  int first_done = 0, rest_done = 0;
+  std::size_t pending = 0;
+  std::chrono::steady_clock::duration took{};
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    sched_test::run_detached(gdr::with_stop_token(stop_first.get_token(), sleep_into(first, 3s)), first_done);
+    co_await gdr::nop();  // the first sleep is in the kernel; the SQ is empty
+    refused_submissions refused(s);
+    // Four more sleeps fill the SQ (4 entries), and the kernel will not take it.
+    for (auto& r : rest) sched_test::run_detached(gdr::with_stop_token(stop_rest.get_token(), sleep_into(r, 10s)), rest_done);
+    auto t0 = std::chrono::steady_clock::now();
+    stop_first.request_stop();  // its cancel finds no SQE
+    pending = s.pending_cancels();
+    refused.restore();
+    for (int i = 0; i < 1000 && first_done == 0; ++i) co_await gdr::sleep_for(1ms);
+    took = std::chrono::steady_clock::now() - t0;
+    stop_rest.request_stop();
+    while (rest_done < 4 || first_done < 1) co_await gdr::sleep_for(1ms);
+  }());
+  CHECK(pending == 1);
+  CHECK(s.stats().cancels_deferred == 1);
+  CHECK(first.error() == gdr::errc::cancelled);
+  CHECK(took < 1s);  // cancelled, not expired after 3 s
+  for (auto& r : rest) CHECK(r.error() == gdr::errc::cancelled);
+  CHECK(s.pending_cancels() == 0);
+  CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("a cancel without an SQE for an operation whose completion is being dispatched is not kept") {
+  // Two NOPs complete in one batch. The first one's coroutine asks, with the
+  // SQ full and refused, to cancel the second: that one is finishing anyway,
+  // and a cancel kept for later could reach a new operation at its address.
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4});
+  std::stop_source stop_second, stop_rest;
+  gdr::result<void> rest[4] = {gdr::errc::busy, gdr::errc::busy, gdr::errc::busy, gdr::errc::busy};
+  gdr::result<void> second = gdr::errc::busy;
+  int done = 0, rest_done = 0;
+  std::size_t pending = 1;
+  auto first = [&]() -> gdr::task<> {
+    co_await gdr::nop();
+    refused_submissions refused(s);
+    for (auto& r : rest) sched_test::run_detached(gdr::with_stop_token(stop_rest.get_token(), sleep_into(r, 10s)), rest_done);
+    stop_second.request_stop();
+    pending = s.pending_cancels();
+    refused.restore();
+  };
+  auto second_nop = [&]() -> gdr::task<> { second = co_await gdr::nop().as_result(); };
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    sched_test::run_detached(first(), done);
+    sched_test::run_detached(gdr::with_stop_token(stop_second.get_token(), second_nop()), done);
+    while (done < 2) co_await gdr::nop();
+    stop_rest.request_stop();
+    while (rest_done < 4) co_await gdr::sleep_for(1ms);
+  }());
+  CHECK(pending == 0);
+  CHECK(s.stats().cancels_deferred == 0);
+  CHECK(second.has_value());  // the NOP had completed
+}
+
+TEST_CASE("a kept cancel whose operation completes before it is sent is forgotten") {
+  // The cancel of a NOP is kept (SQ full and refused) by posted work that
+  // runs before the NOP's completion is reaped; the completion then makes
+  // the kept cancel moot before any SQE is free for it.
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4});
+  std::stop_source stop_nop, stop_rest;
+  gdr::result<void> rest[4] = {gdr::errc::busy, gdr::errc::busy, gdr::errc::busy, gdr::errc::busy};
+  gdr::result<void> nop_result = gdr::errc::busy;
+  int nop_done = 0, rest_done = 0;
+  std::size_t kept = 0, pending_at_completion = 1;
+  std::optional<refused_submissions> refused;
+  struct canceller : gdr::remote_work {
+    std::function<void()> f;
+  } w;
+  w.run = [](gdr::remote_work* n) noexcept { static_cast<canceller*>(n)->f(); };
+  w.f = [&] {
+    refused.emplace(s);
+    for (auto& r : rest) sched_test::run_detached(gdr::with_stop_token(stop_rest.get_token(), sleep_into(r, 10s)), rest_done);
+    stop_nop.request_stop();
+    kept = s.pending_cancels();
+  };
+  auto the_nop = [&]() -> gdr::task<> {
+    nop_result = co_await gdr::nop().as_result();
+    pending_at_completion = s.pending_cancels();
+    refused->restore();
+  };
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    sched_test::run_detached(gdr::with_stop_token(stop_nop.get_token(), the_nop()), nop_done);
+    s.post(&w);  // runs next iteration, before that iteration reaps the NOP
+    while (nop_done == 0) co_await gdr::nop();
+    stop_rest.request_stop();
+    while (rest_done < 4) co_await gdr::sleep_for(1ms);
+  }());
+  CHECK(kept == 1);
+  CHECK(pending_at_completion == 0);
+  CHECK(nop_result.has_value());
+  CHECK(s.stats().cancels_deferred == 1);
 }
