@@ -64,6 +64,21 @@
 /// outlive its last completion, which is why a cancelled operation still waits
 /// for its CQE before its coroutine resumes. Pollers are owned by whoever added
 /// them.
+///
+/// Teardown. The destructor finishes what is in flight: it runs the loop on
+/// the destroying thread (bound as that thread's current scheduler) until no
+/// operation, posted work or wake-up message is outstanding, for at most
+/// `scheduler_options::teardown_timeout`. So a program may simply end:
+/// endpoints dropped without `close()` abort their connections, and in the
+/// scheduler's destructor the kernel returns the connections' buffers and
+/// they free themselves (sockets and memory).
+/// What is still in flight after the bound (an operation nothing will
+/// complete: a coroutine suspended on a pipe nobody writes, an endpoint still
+/// alive) is reported in one line on stderr and abandoned: its coroutine never
+/// resumes and what it owns is leaked. Objects bound to a scheduler
+/// (endpoints, listeners' accepts, pollers) must be destroyed before it; an
+/// endpoint that outlives its scheduler is leaked when destroyed (its
+/// connection waits for a completion that cannot come) and must not be used.
 #pragma once
 
 #include <liburing.h>
@@ -76,6 +91,7 @@
 #include <chrono>
 #include <coroutine>
 #include <cstdint>
+#include <cstdio>
 #include <new>
 #include <optional>
 #include <stop_token>
@@ -111,6 +127,9 @@ struct scheduler_options {
   /// eventfd, as plain threads do (slower, ~2x; for kernels whose MSG_RING
   /// misbehaves, and for tests).
   bool msg_ring_wakeups = true;
+  /// How long the destructor runs the loop to finish operations still in
+  /// flight before it gives up on them (see "Teardown" in the file comment).
+  std::chrono::milliseconds teardown_timeout{5000};
 };
 
 /// Counters a scheduler keeps; cheap, for tests and benchmarks.
@@ -185,7 +204,7 @@ class scheduler {
  public:
   /// Creates the ring. Throws `gdr::error` (with the errno from
   /// `io_uring_queue_init`) when io_uring is unavailable, `std::bad_alloc`.
-  explicit scheduler(scheduler_options opts = {}) : mode_(opts.mode) {
+  explicit scheduler(scheduler_options opts = {}) : mode_(opts.mode), teardown_timeout_(opts.teardown_timeout) {
     io_uring_params p{};
     // COOP_TASKRUN: completions are delivered at the next kernel entry instead of
     // interrupting the thread; TASKRUN_FLAG tells liburing when such an entry is
@@ -228,14 +247,14 @@ class scheduler {
   scheduler(const scheduler&) = delete;
   scheduler& operator=(const scheduler&) = delete;
 
-  /// Destroys the ring. Operations still in flight are a bug of the caller
-  /// (their coroutines would never resume); asserted in debug builds. The
-  /// wake-up messages this loop sent are reaped first (they complete at
-  /// once), so a failed one still reaches its target.
+  /// Finishes what is in flight, then destroys the ring: runs the loop on
+  /// this thread until no operation, posted work or wake-up message is
+  /// outstanding, for at most `scheduler_options::teardown_timeout`; what is
+  /// left then is reported on stderr and abandoned (see "Teardown" in the
+  /// file comment). Not from inside this scheduler's own loop. Other threads
+  /// must have stopped posting to it, as for any object being destroyed.
   ~scheduler() {
-    assert(inflight_ == 0 && "scheduler destroyed with operations in flight");
-    assert(remote_head_.load() == nullptr && "scheduler destroyed with posted work");
-    while (messages_inflight_ != 0) run_once(true);
+    finish_inflight();
     tsan_ring_handoff(false);
     io_uring_queue_exit(&ring_);
     // Wake-up messages still in flight to this ring keep the eventfd open
@@ -381,30 +400,7 @@ class scheduler {
 
   /// One loop iteration (see the file comment). `may_block` permits sleeping
   /// in sleep mode. Returns true if any work was done.
-  bool run_once(bool may_block = true) {
-    binding bind(this);
-    ++stats_.iterations;
-    if (GDR_UNLIKELY(!pending_cancels_.empty())) flush_cancels();
-    bool worked = drain_remote();
-    worked |= reap();
-    auto bound = std::chrono::nanoseconds::max();
-    // By index, and re-read: a poll may add or remove pollers (see
-    // add_poller). If the set changed, one may have been skipped, so the loop
-    // goes round again instead of sleeping on an incomplete bound.
-    std::uint64_t changed = pollers_changed_;
-    for (std::size_t i = 0; i < pollers_.size(); ++i) {
-      poll_status s = pollers_[i]->poll();
-      worked |= s.did_work;
-      if (s.sleep_bound < bound) bound = s.sleep_bound;
-    }
-    worked |= changed != pollers_changed_;
-    if (!worked && may_block && mode_ == run_mode::sleep && bound.count() > 0) {
-      sleep(bound);
-    } else {
-      submit();
-    }
-    return worked;
-  }
+  bool run_once(bool may_block = true) { return iterate(may_block, std::chrono::nanoseconds::max()); }
 
   /// Runs the loop until `done()` returns true (checked between iterations).
   template <class Pred>
@@ -428,8 +424,53 @@ class scheduler {
     std::uint32_t flags;
   };
 
+  // run_once, with sleeps no longer than `cap` (the destructor's deadline).
+  bool iterate(bool may_block, std::chrono::nanoseconds cap) {
+    binding bind(this);
+    ++stats_.iterations;
+    if (GDR_UNLIKELY(!pending_cancels_.empty())) flush_cancels();
+    bool worked = drain_remote();
+    worked |= reap();
+    auto bound = cap;
+    // By index, and re-read: a poll may add or remove pollers (see
+    // add_poller). If the set changed, one may have been skipped, so the loop
+    // goes round again instead of sleeping on an incomplete bound.
+    std::uint64_t changed = pollers_changed_;
+    for (std::size_t i = 0; i < pollers_.size(); ++i) {
+      poll_status s = pollers_[i]->poll();
+      worked |= s.did_work;
+      if (s.sleep_bound < bound) bound = s.sleep_bound;
+    }
+    worked |= changed != pollers_changed_;
+    if (!worked && may_block && mode_ == run_mode::sleep && bound.count() > 0) {
+      sleep(bound);
+    } else {
+      submit();
+    }
+    return worked;
+  }
+
   bool quiescent() const noexcept {
     return inflight_ == 0 && messages_inflight_ == 0 && remote_head_.load() == nullptr;
+  }
+
+  // The destructor's loop (see "Teardown" in the file comment).
+  void finish_inflight() noexcept {
+    using clock = std::chrono::steady_clock;
+    if (quiescent()) return;
+    const clock::time_point deadline = clock::now() + teardown_timeout_;
+    for (;;) {
+      clock::time_point now = clock::now();
+      if (now >= deadline) break;
+      iterate(true, deadline - now);
+      if (quiescent()) return;
+    }
+    // One line, where the problem shows; the destructor must not throw or
+    // abort (a program ending with work outstanding should still end).
+    std::fprintf(stderr,
+                 "gdr::scheduler: destroyed with %zu operation(s) still in flight after %lld ms of teardown; "
+                 "abandoning them (their coroutines will not resume, what they hold is leaked)\n",
+                 inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
   }
 
   void prep_cancel(io_uring_sqe* sqe, std::uint64_t target) noexcept {
@@ -640,6 +681,7 @@ class scheduler {
 
   io_uring ring_{};
   run_mode mode_;
+  std::chrono::milliseconds teardown_timeout_;
   detail::wake_channel* channel_ = nullptr;  // our eventfd; one reference is ours
   // Where other loops send MSG_RING wake-ups: our ring, or -1 when they
   // write the eventfd instead.
