@@ -22,7 +22,8 @@
 /// endpoints while the loop busy-polls) are `poller`s, polled once per
 /// iteration after the CQ.
 ///
-/// One iteration (`run_once`): drain the remote queue; reap every available
+/// One iteration (`run_once`): send the cancels kept for want of an SQE (see
+/// "Cancellation"); drain the remote queue; reap every available
 /// CQE (copied out, CQ advanced, then dispatched, so a completion handler may
 /// prepare new SQEs freely); poll each poller; then, if nothing did work and
 /// the mode is `sleep`, submit and block in `io_uring_enter` until a CQE
@@ -38,11 +39,46 @@
 /// sequentially consistent, so a push racing with the loop going to sleep is
 /// seen by one side or the other (Dekker).
 ///
-/// Ownership. The scheduler owns the ring, the eventfd and the remote queue's
-/// head. Operations are owned by their coroutines (they live in coroutine
-/// frames); an operation must outlive its last completion, which is why a
-/// cancelled operation still waits for its CQE before its coroutine resumes.
-/// Pollers are owned by whoever added them.
+/// A wake-up is never lost to MSG_RING. Whether the kernel has it (Linux 5.18)
+/// is probed once per process; without it, or with
+/// `scheduler_options::msg_ring_wakeups` off, posters write the eventfd. The
+/// message's own completion comes back to the poster's ring, and one that
+/// carries an error (the target's CQ could not take it, an old or restricted
+/// kernel) is delivered through the eventfd instead. That completion may be
+/// reaped after the target is gone, so the eventfd is not the target's alone:
+/// it lives in a reference-counted `detail::wake_channel` that each message in
+/// flight holds; the target's destructor drops its own reference, and the last
+/// message to complete closes the descriptor. A late fallback therefore writes
+/// an eventfd nobody reads, never a descriptor number reused by someone else.
+///
+/// Cancellation. `cancel(op)` queues an `IORING_OP_ASYNC_CANCEL`. If no SQE can
+/// be had (the SQ is full and the kernel refuses to take it: EAGAIN, EBUSY),
+/// the request waits in a pending list and goes into the SQ at the start of the
+/// next iteration; a stopped operation never waits forever for a cancel that
+/// was dropped. A pending cancel whose operation completes first is forgotten,
+/// so it can never reach a new operation at the same address.
+///
+/// Ownership. The scheduler owns the ring, the eventfd (shared with wake-up
+/// messages in flight, above) and the remote queue's head. Operations are owned
+/// by their coroutines (they live in coroutine frames); an operation must
+/// outlive its last completion, which is why a cancelled operation still waits
+/// for its CQE before its coroutine resumes. Pollers are owned by whoever added
+/// them.
+///
+/// Teardown. The destructor finishes what is in flight: it runs the loop on
+/// the destroying thread (bound as that thread's current scheduler) until no
+/// operation, posted work or wake-up message is outstanding, for at most
+/// `scheduler_options::teardown_timeout`. So a program may simply end:
+/// endpoints dropped without `close()` abort their connections, and in the
+/// scheduler's destructor the kernel returns the connections' buffers and
+/// they free themselves (sockets and memory).
+/// What is still in flight after the bound (an operation nothing will
+/// complete: a coroutine suspended on a pipe nobody writes, an endpoint still
+/// alive) is reported in one line on stderr and abandoned: its coroutine never
+/// resumes and what it owns is leaked. Objects bound to a scheduler
+/// (endpoints, listeners' accepts, pollers) must be destroyed before it; an
+/// endpoint that outlives its scheduler is leaked when destroyed (its
+/// connection waits for a completion that cannot come) and must not be used.
 #pragma once
 
 #include <liburing.h>
@@ -55,6 +91,8 @@
 #include <chrono>
 #include <coroutine>
 #include <cstdint>
+#include <cstdio>
+#include <new>
 #include <optional>
 #include <stop_token>
 #include <thread>
@@ -84,15 +122,25 @@ enum class run_mode {
 struct scheduler_options {
   unsigned sq_entries = 256;          ///< io_uring submission queue size
   run_mode mode = run_mode::sleep;    ///< how the loop waits
+  /// Other schedulers' threads wake this one with `IORING_OP_MSG_RING` when
+  /// the kernel has it (probed once per process). False: they write its
+  /// eventfd, as plain threads do (slower, ~2x; for kernels whose MSG_RING
+  /// misbehaves, and for tests).
+  bool msg_ring_wakeups = true;
+  /// How long the destructor runs the loop to finish operations still in
+  /// flight before it gives up on them (see "Teardown" in the file comment).
+  std::chrono::milliseconds teardown_timeout{5000};
 };
 
 /// Counters a scheduler keeps; cheap, for tests and benchmarks.
 struct scheduler_stats {
-  std::uint64_t iterations = 0;   ///< run_once calls
-  std::uint64_t completions = 0;  ///< CQEs dispatched to operations
-  std::uint64_t submits = 0;      ///< io_uring_enter calls made to submit or wait
-  std::uint64_t sleeps = 0;       ///< times the loop blocked in the kernel
-  std::uint64_t remote = 0;       ///< remote_work nodes run
+  std::uint64_t iterations = 0;       ///< run_once calls
+  std::uint64_t completions = 0;      ///< CQEs dispatched to operations
+  std::uint64_t submits = 0;          ///< io_uring_enter calls made to submit or wait
+  std::uint64_t sleeps = 0;           ///< times the loop blocked in the kernel
+  std::uint64_t remote = 0;           ///< remote_work nodes run
+  std::uint64_t msg_ring_failed = 0;  ///< wake-up messages this loop sent that failed (sent again by eventfd)
+  std::uint64_t cancels_deferred = 0; ///< cancels that found no free SQE and waited in the pending list
 };
 
 class scheduler;
@@ -102,8 +150,50 @@ inline thread_local scheduler* current_scheduler = nullptr;
 
 // user_data values that are not operations. Heap and stack addresses are never
 // this small.
-inline constexpr std::uint64_t ignore_tag = 0;  // cancel requests, MSG_RING sources
+inline constexpr std::uint64_t ignore_tag = 0;  // cancel requests, link timeouts
 inline constexpr std::uint64_t wake_tag = 1;    // MSG_RING wake-ups from other rings
+// Set in the user_data of a MSG_RING wake-up sent from this ring, whose other
+// bits are the target's wake_channel. Operations are at least 8-byte aligned,
+// so their addresses never have it.
+inline constexpr std::uint64_t message_bit = 1;
+
+/// A scheduler's eventfd, shared by the scheduler and by the MSG_RING
+/// wake-ups in flight to it (see "A wake-up is never lost" in the file
+/// comment). The last reference closes the descriptor.
+struct wake_channel {
+  int fd = -1;
+  std::atomic<std::uint32_t> refs{1};
+
+  void acquire() noexcept { refs.fetch_add(1, std::memory_order_relaxed); }
+  void release() noexcept {
+    // acq_rel: every holder's use of `fd` happens before the close.
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      ::close(fd);
+      delete this;
+    }
+  }
+  /// Wakes the ring that reads this eventfd. Any thread.
+  void signal() const noexcept {
+    std::uint64_t one = 1;
+    // A full counter (EAGAIN) means a wake-up is pending anyway.
+    [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof one);
+  }
+};
+
+/// Whether this kernel has IORING_OP_MSG_RING, asked once per process (of the
+/// first scheduler's ring: io_uring_get_probe would set up a ring of its own).
+inline bool msg_ring_supported(io_uring& ring) noexcept {
+  static const bool supported = [&ring] {
+    io_uring_probe* p = io_uring_get_probe_ring(&ring);
+    if (p == nullptr) return false;  // no IORING_REGISTER_PROBE (before 5.6): older than MSG_RING too
+    bool yes = io_uring_opcode_supported(p, IORING_OP_MSG_RING) != 0;
+    io_uring_free_probe(p);
+    return yes;
+  }();
+  return supported;
+}
+
+struct scheduler_testing;
 }  // namespace detail
 
 /// An io_uring event loop. See the file comment for the design.
@@ -113,8 +203,8 @@ inline constexpr std::uint64_t wake_tag = 1;    // MSG_RING wake-ups from other 
 class scheduler {
  public:
   /// Creates the ring. Throws `gdr::error` (with the errno from
-  /// `io_uring_queue_init`) when io_uring is unavailable.
-  explicit scheduler(scheduler_options opts = {}) : mode_(opts.mode) {
+  /// `io_uring_queue_init`) when io_uring is unavailable, `std::bad_alloc`.
+  explicit scheduler(scheduler_options opts = {}) : mode_(opts.mode), teardown_timeout_(opts.teardown_timeout) {
     io_uring_params p{};
     // COOP_TASKRUN: completions are delivered at the next kernel entry instead of
     // interrupting the thread; TASKRUN_FLAG tells liburing when such an entry is
@@ -130,12 +220,25 @@ class scheduler {
     tsan_ring_handoff(true);
     // EFD_NONBLOCK matters: a blocking eventfd sends io_uring's read to a kernel
     // worker thread, 35-60 us a wake-up instead of ~2 us (measured here).
-    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (wake_fd_ < 0) {
+    int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) {
       int err = errno;
       io_uring_queue_exit(&ring_);
       throw error(errno_code(err), "eventfd");
     }
+    try {
+      channel_ = new detail::wake_channel{};
+      // Room for the cancels of a burst in which the kernel refuses the SQ;
+      // a longer list allocates (see defer_cancel).
+      pending_cancels_.reserve(16);
+    } catch (...) {
+      delete channel_;
+      ::close(fd);
+      io_uring_queue_exit(&ring_);
+      throw;
+    }
+    channel_->fd = fd;
+    if (opts.msg_ring_wakeups && detail::msg_ring_supported(ring_)) msg_ring_fd_ = ring_.ring_fd;
     wake_op_.self = this;
     wake_op_.complete = &wake_read_done;
     arm_wake_read();
@@ -144,14 +247,19 @@ class scheduler {
   scheduler(const scheduler&) = delete;
   scheduler& operator=(const scheduler&) = delete;
 
-  /// Destroys the ring. Operations still in flight are a bug of the caller
-  /// (their coroutines would never resume); asserted in debug builds.
+  /// Finishes what is in flight, then destroys the ring: runs the loop on
+  /// this thread until no operation, posted work or wake-up message is
+  /// outstanding, for at most `scheduler_options::teardown_timeout`; what is
+  /// left then is reported on stderr and abandoned (see "Teardown" in the
+  /// file comment). Not from inside this scheduler's own loop. Other threads
+  /// must have stopped posting to it, as for any object being destroyed.
   ~scheduler() {
-    assert(inflight_ == 0 && "scheduler destroyed with operations in flight");
-    assert(remote_head_.load() == nullptr && "scheduler destroyed with posted work");
+    finish_inflight();
     tsan_ring_handoff(false);
     io_uring_queue_exit(&ring_);
-    ::close(wake_fd_);
+    // Wake-up messages still in flight to this ring keep the eventfd open
+    // until their completions are reaped by their senders.
+    channel_->release();
   }
 
   /// The scheduler running on this thread, or nullptr.
@@ -199,13 +307,20 @@ class scheduler {
 
   /// Asks the kernel to cancel the operation `op` (async cancel). Its
   /// completion still arrives, with -ECANCELED unless it finished first.
-  /// Loop thread only.
+  /// Never dropped: without a free SQE the request waits for the next
+  /// iteration (see "Cancellation" in the file comment). `op` must be in
+  /// flight. Loop thread only.
   void cancel(operation* op) noexcept {
     io_uring_sqe* sqe = get_sqe();
-    if (sqe == nullptr) return;  // SQ full: the operation completes on its own
-    io_uring_prep_cancel64(sqe, op->user_data(), 0);
-    io_uring_sqe_set_data64(sqe, detail::ignore_tag);
+    if (GDR_UNLIKELY(sqe == nullptr)) {
+      defer_cancel(op->user_data());
+      return;
+    }
+    prep_cancel(sqe, op->user_data());
   }
+
+  /// Cancels requested without a free SQE, waiting for the next iteration.
+  std::size_t pending_cancels() const noexcept { return pending_cancels_.size(); }
 
   // ---------------------------------------------------------------- pollers
 
@@ -237,21 +352,27 @@ class scheduler {
     if (sleeping_.load(std::memory_order_seq_cst)) wake();
   }
 
-  /// Wakes the loop if it sleeps in the kernel. Safe from any thread.
+  /// Wakes the loop if it sleeps in the kernel. Safe from any thread while
+  /// this scheduler exists. From a thread that runs a scheduler of its own,
+  /// the wake-up is a MSG_RING message sent from that ring, whose completion
+  /// that loop reaps (a failed one is sent again through the eventfd).
   void wake() noexcept {
     scheduler* from = current();
-    if (from != nullptr && from != this) {
-      // The poster has a ring of its own: message our ring directly.
+    if (from != nullptr && from != this && msg_ring_fd_ >= 0) {
       if (io_uring_sqe* sqe = from->get_sqe()) {
-        io_uring_prep_msg_ring(sqe, ring_.ring_fd, 0, detail::wake_tag, 0);
-        io_uring_sqe_set_data64(sqe, detail::ignore_tag);
+        // The message's reference to the eventfd: its completion, reaped by
+        // `from` perhaps after this scheduler is gone, may need it.
+        channel_->acquire();
+        // The kernel resolves msg_ring_fd_ during the submit below, while
+        // this scheduler (our caller's target) still exists.
+        io_uring_prep_msg_ring(sqe, msg_ring_fd_, 0, detail::wake_tag, 0);
+        io_uring_sqe_set_data64(sqe, reinterpret_cast<std::uintptr_t>(channel_) | detail::message_bit);
+        ++from->messages_inflight_;
         from->submit();
         return;
       }
     }
-    std::uint64_t one = 1;
-    // A full counter (EAGAIN) means a wake-up is pending anyway.
-    [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof one);
+    channel_->signal();
   }
 
   /// Awaitable that resumes the awaiting coroutine on this scheduler's
@@ -279,12 +400,38 @@ class scheduler {
 
   /// One loop iteration (see the file comment). `may_block` permits sleeping
   /// in sleep mode. Returns true if any work was done.
-  bool run_once(bool may_block = true) {
+  bool run_once(bool may_block = true) { return iterate(may_block, std::chrono::nanoseconds::max()); }
+
+  /// Runs the loop until `done()` returns true (checked between iterations).
+  template <class Pred>
+  void run_until(Pred&& done) {
+    while (!done()) run_once(true);
+  }
+
+  /// Runs until no operation is in flight, no posted work is queued and the
+  /// wake-up messages this loop sent to others have completed.
+  void drain() {
+    run_until([this] { return quiescent(); });
+  }
+
+ private:
+  friend struct detail::scheduler_testing;
+
+  // A CQE as reap() copies it out of the ring.
+  struct completion {
+    std::uint64_t user_data;
+    int res;
+    std::uint32_t flags;
+  };
+
+  // run_once, with sleeps no longer than `cap` (the destructor's deadline).
+  bool iterate(bool may_block, std::chrono::nanoseconds cap) {
     binding bind(this);
     ++stats_.iterations;
+    if (GDR_UNLIKELY(!pending_cancels_.empty())) flush_cancels();
     bool worked = drain_remote();
     worked |= reap();
-    auto bound = std::chrono::nanoseconds::max();
+    auto bound = cap;
     // By index, and re-read: a poll may add or remove pollers (see
     // add_poller). If the set changed, one may have been skipped, so the loop
     // goes round again instead of sleeping on an incomplete bound.
@@ -303,18 +450,90 @@ class scheduler {
     return worked;
   }
 
-  /// Runs the loop until `done()` returns true (checked between iterations).
-  template <class Pred>
-  void run_until(Pred&& done) {
-    while (!done()) run_once(true);
+  bool quiescent() const noexcept {
+    return inflight_ == 0 && messages_inflight_ == 0 && remote_head_.load() == nullptr;
   }
 
-  /// Runs until no operation is in flight and no posted work is queued.
-  void drain() {
-    run_until([this] { return inflight_ == 0 && remote_head_.load() == nullptr; });
+  // The destructor's loop (see "Teardown" in the file comment).
+  void finish_inflight() noexcept {
+    using clock = std::chrono::steady_clock;
+    if (quiescent()) return;
+    const clock::time_point deadline = clock::now() + teardown_timeout_;
+    for (;;) {
+      clock::time_point now = clock::now();
+      if (now >= deadline) break;
+      iterate(true, deadline - now);
+      if (quiescent()) return;
+    }
+    // One line, where the problem shows; the destructor must not throw or
+    // abort (a program ending with work outstanding should still end).
+    std::fprintf(stderr,
+                 "gdr::scheduler: destroyed with %zu operation(s) still in flight after %lld ms of teardown; "
+                 "abandoning them (their coroutines will not resume, what they hold is leaked)\n",
+                 inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
   }
 
- private:
+  void prep_cancel(io_uring_sqe* sqe, std::uint64_t target) noexcept {
+    io_uring_prep_cancel64(sqe, target, 0);
+    io_uring_sqe_set_data64(sqe, detail::ignore_tag);
+  }
+
+  // No SQE for a cancel (the kernel refused the SQ): keep it for flush_cancels.
+  [[gnu::noinline]] void defer_cancel(std::uint64_t target) noexcept {
+    // Its operation's final CQE may be in the batch being dispatched (a
+    // handler earlier in it asked for the cancel): then it is finishing
+    // anyway, and a cancel sent later could reach a new operation at the
+    // same address.
+    for (std::size_t i = 0; i < batch_size_; ++i)
+      if (batch_[i].user_data == target && !(batch_[i].flags & IORING_CQE_F_MORE)) return;
+    ++stats_.cancels_deferred;
+    try {
+      pending_cancels_.push_back(target);  // no allocation within the reserved 16
+      return;
+    } catch (const std::bad_alloc&) {
+    }
+    // No memory either: wait here for the kernel to take the SQ rather than
+    // lose the cancel (an operation stopped in vain can wait forever).
+    for (;;) {
+      submit();
+      if (io_uring_sqe* sqe = io_uring_get_sqe(&ring_)) {
+        prep_cancel(sqe, target);
+        return;
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  // Start of an iteration: the pending cancels go into the SQ, as many as fit.
+  [[gnu::noinline]] void flush_cancels() noexcept {
+    std::size_t sent = 0;
+    for (; sent < pending_cancels_.size(); ++sent) {
+      io_uring_sqe* sqe = get_sqe();
+      if (sqe == nullptr) break;
+      prep_cancel(sqe, pending_cancels_[sent]);
+    }
+    pending_cancels_.erase(pending_cancels_.begin(), pending_cancels_.begin() + static_cast<std::ptrdiff_t>(sent));
+  }
+
+  // The operations whose final CQEs are in `done` no longer need a cancel.
+  [[gnu::noinline]] void forget_cancels(const completion* done, unsigned n) noexcept {
+    for (unsigned i = 0; i < n; ++i)
+      if (!(done[i].flags & IORING_CQE_F_MORE)) std::erase(pending_cancels_, done[i].user_data);
+  }
+
+  // A MSG_RING wake-up this loop sent has completed (the poster's side).
+  [[gnu::noinline]] void message_done(std::uint64_t user_data, int res) noexcept {
+    auto* ch = reinterpret_cast<detail::wake_channel*>(static_cast<std::uintptr_t>(user_data & ~detail::message_bit));
+    --messages_inflight_;
+    if (res < 0) {
+      // EBADFD, EOVERFLOW, EINVAL (no MSG_RING after all)...: the target
+      // (alive or not) gets the wake-up through its eventfd.
+      ++stats_.msg_ring_failed;
+      ch->signal();
+    }
+    ch->release();
+  }
+
   // liburing maps and unmaps the rings with raw system calls, which TSan does
   // not see: when a ring freed on one thread is mapped again at the same
   // address by another, TSan takes the first SQE writes of the new ring for a
@@ -359,7 +578,7 @@ class scheduler {
   void arm_wake_read() noexcept {
     io_uring_sqe* sqe = get_sqe();
     if (sqe == nullptr) return;  // unreachable: only called with a free SQ slot
-    io_uring_prep_read(sqe, wake_fd_, &wake_buf_, sizeof wake_buf_, 0);
+    io_uring_prep_read(sqe, channel_->fd, &wake_buf_, sizeof wake_buf_, 0);
     // Not counted in inflight_: it is the loop's own, always pending.
     io_uring_sqe_set_data(sqe, static_cast<operation*>(&wake_op_));
   }
@@ -385,11 +604,6 @@ class scheduler {
   }
 
   bool reap() noexcept {
-    struct completion {
-      std::uint64_t user_data;
-      int res;
-      std::uint32_t flags;
-    };
     constexpr unsigned batch = 64;
     bool worked = false;
     for (;;) {
@@ -415,7 +629,13 @@ class scheduler {
       }
       // Advance before dispatching: handlers may submit and even wait.
       io_uring_cq_advance(&ring_, n);
+      if (GDR_UNLIKELY(!pending_cancels_.empty())) forget_cancels(done, n);
+      // What defer_cancel looks at (restored: a handler may run a loop).
+      const completion* outer = std::exchange(batch_, done);
+      unsigned outer_size = std::exchange(batch_size_, n);
       for (unsigned i = 0; i < n; ++i) dispatch(done[i].user_data, done[i].res, done[i].flags);
+      batch_ = outer;
+      batch_size_ = outer_size;
       worked = true;
       if (n < batch) break;
     }
@@ -423,8 +643,12 @@ class scheduler {
   }
 
   void dispatch(std::uint64_t user_data, int res, std::uint32_t flags) noexcept {
-    static_assert(detail::ignore_tag == 0 && detail::wake_tag == 1);
+    static_assert(detail::ignore_tag == 0 && detail::wake_tag == 1 && alignof(operation) > detail::message_bit);
     if (GDR_UNLIKELY(user_data <= detail::wake_tag)) return;  // not an operation
+    if (GDR_UNLIKELY(user_data & detail::message_bit)) {
+      message_done(user_data, res);
+      return;
+    }
     operation* op = operation::from_user_data(user_data);
     if (GDR_LIKELY(op != &wake_op_)) {
       ++stats_.completions;
@@ -457,16 +681,39 @@ class scheduler {
 
   io_uring ring_{};
   run_mode mode_;
-  int wake_fd_ = -1;
+  std::chrono::milliseconds teardown_timeout_;
+  detail::wake_channel* channel_ = nullptr;  // our eventfd; one reference is ours
+  // Where other loops send MSG_RING wake-ups: our ring, or -1 when they
+  // write the eventfd instead.
+  int msg_ring_fd_ = -1;
   std::uint64_t wake_buf_ = 0;
   wake_op wake_op_{};
   std::size_t inflight_ = 0;
+  std::size_t messages_inflight_ = 0;  // MSG_RING wake-ups sent from this ring, not reaped yet
+  std::vector<std::uint64_t> pending_cancels_;  // user_data of operations to cancel
+  const completion* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)
+  unsigned batch_size_ = 0;
   std::vector<poller*> pollers_;
   std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
   std::atomic<remote_work*> remote_head_{nullptr};
   std::atomic<bool> sleeping_{false};
   scheduler_stats stats_{};
 };
+
+namespace detail {
+
+/// Test access to a scheduler's wake-up path, for tests of its failure
+/// handling. Not for production use.
+struct scheduler_testing {
+  /// Makes other loops' MSG_RING wake-ups to `s` fail in the kernel: they
+  /// are sent to its eventfd, which is not a ring (EBADFD). Call before
+  /// other threads post to `s`.
+  static void misdirect_msg_ring(scheduler& s) noexcept { s.msg_ring_fd_ = s.channel_->fd; }
+  /// Whether other loops wake `s` with MSG_RING (false: through its eventfd).
+  static bool wakes_by_msg_ring(const scheduler& s) noexcept { return s.msg_ring_fd_ >= 0; }
+};
+
+}  // namespace detail
 
 /// The scheduler running on this thread. Precondition: called from inside a
 /// scheduler's loop (a coroutine started by `sync_wait` or `run_until`).

@@ -65,6 +65,13 @@ inline bool path_exists(const char* p) noexcept {
   return ::stat(p, &st) == 0;
 }
 
+/// Whether nvidia-peermem (or the older nv_peer_mem) is loaded, as the sysfs
+/// mounted at `sysfs` shows it (another root for tests).
+inline bool peermem_loaded(const std::string& sysfs = "/sys") {
+  return path_exists((sysfs + "/kernel/mm/memory_peers/nv_mem/version").c_str()) ||
+         path_exists((sysfs + "/module/nvidia_peermem/version").c_str());
+}
+
 // EBADF means the kernel accepted the call far enough to look at the fd: the
 // dma-buf path exists. EOPNOTSUPP / EPROTONOSUPPORT: it does not.
 inline bool probe_dmabuf(ibv_context* ctx) noexcept {
@@ -80,8 +87,7 @@ inline bool probe_dmabuf(ibv_context* ctx) noexcept {
 
 inline capabilities run_probe() {
   capabilities caps;
-  caps.peermem = path_exists("/sys/kernel/mm/memory_peers/nv_mem/version") ||
-                 path_exists("/sys/module/nvidia_peermem/version");
+  caps.peermem = peermem_loaded();
   int n = 0;
   errno = 0;
   ibv_device** list = ibv_get_device_list(&n);

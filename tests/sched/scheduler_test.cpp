@@ -1,12 +1,23 @@
 // gdr/sched/scheduler.hpp: modes, run_once, drain, inflight accounting,
 // pollers, and the cross-thread entry points (post, schedule, wake through the
-// eventfd and through IORING_OP_MSG_RING).
+// eventfd and through IORING_OP_MSG_RING, and the fallback from one to the
+// other).
 #include <doctest/doctest.h>
 
+#include <dirent.h>
+#include <sys/utsname.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <string>
+#include <stop_token>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gdr/coro/sync_wait.hpp>
@@ -341,4 +352,338 @@ TEST_CASE("many threads posting at once lose nothing") {
   int total = 0;
   for (auto& n : nodes) total += n.runs.load();
   CHECK(total == threads * per);
+}
+
+namespace {
+
+// Runs `rounds` posts to `target` from a thread that runs a scheduler of its
+// own, each after `target` has had time to fall asleep, while `target` runs
+// until every node has run or 2 s have passed. A timer on `target` bounds
+// its sleep, so a lost wake-up shows as a slow round instead of a hang.
+struct cross_thread_posts {
+  static constexpr int rounds = 20;
+  sched_test::counter_node nodes[rounds];
+  std::atomic<int> msg_rings_sent{0};          // the poster's ring submitted something for the post
+  std::atomic<std::uint64_t> poster_failed{0};  // the poster's stats().msg_ring_failed at the end
+  std::chrono::steady_clock::duration took{};
+
+  void run(gdr::scheduler& target) {
+    std::thread poster([&] {
+      gdr::scheduler mine;
+      gdr::sync_wait(mine, [&]() -> gdr::task<> {
+        for (auto& n : nodes) {
+          co_await gdr::sleep_for(5ms);  // let the target fall asleep
+          auto before = mine.stats().submits;
+          target.post(&n);
+          if (mine.stats().submits > before) msg_rings_sent.fetch_add(1);
+        }
+      }());
+      mine.drain();  // reaps the last messages' completions (a failed one falls back here)
+      poster_failed = mine.stats().msg_ring_failed;
+    });
+    std::stop_source stop_bound;
+    int bound_done = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    gdr::sync_wait(target, [&]() -> gdr::task<> {
+      auto bound = [&]() -> gdr::task<> { (void)co_await gdr::sleep_for(2s).as_result(); };
+      sched_test::run_detached(gdr::with_stop_token(stop_bound.get_token(), bound()), bound_done);
+      co_await gdr::nop();
+    }());
+    target.run_until([&] { return nodes[rounds - 1].runs.load() == 1 || bound_done == 1; });
+    took = std::chrono::steady_clock::now() - t0;
+    poster.join();
+    stop_bound.request_stop();
+    target.drain();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("with MSG_RING wake-ups turned off, a loop's post wakes a sleeping loop through the eventfd") {
+  sched_test::watchdog wd(30);
+  gdr::scheduler target({.mode = gdr::run_mode::sleep, .msg_ring_wakeups = false});
+  CHECK_FALSE(gdr::detail::scheduler_testing::wakes_by_msg_ring(target));
+  cross_thread_posts t;
+  t.run(target);
+  for (auto& n : t.nodes) CHECK(n.runs.load() == 1);
+  CHECK(t.took < 1s);                 // every wake-up arrived
+  CHECK(t.msg_rings_sent.load() == 0);  // none through the poster's ring
+  CHECK(target.stats().sleeps >= 1);
+}
+
+TEST_CASE("a MSG_RING wake-up the kernel fails is delivered through the target's eventfd") {
+  sched_test::watchdog wd(30);
+  gdr::scheduler target({.mode = gdr::run_mode::sleep});
+  REQUIRE(gdr::detail::scheduler_testing::wakes_by_msg_ring(target));
+  // The messages go to the target's eventfd, which is not a ring: the kernel
+  // completes each with -EBADFD on the poster's ring.
+  gdr::detail::scheduler_testing::misdirect_msg_ring(target);
+  cross_thread_posts t;
+  t.run(target);
+  for (auto& n : t.nodes) CHECK(n.runs.load() == 1);
+  CHECK(t.took < 1s);  // no round waited for the 2 s bound
+  CHECK(t.msg_rings_sent.load() >= 1);  // the target was asleep at least once...
+  CHECK(t.poster_failed.load() == static_cast<std::uint64_t>(t.msg_rings_sent.load()));  // ...and each message failed
+  CHECK(target.stats().sleeps >= 1);
+}
+
+TEST_CASE("a failed MSG_RING wake-up reaped after its target is gone touches nothing of it") {
+  // The target is destroyed while the poster's failed message is still
+  // unreaped; the fallback then writes an eventfd that the message keeps
+  // open (ASan sees any use of the freed target; the fd count sees a leak).
+  sched_test::watchdog wd(30);
+  int fds_before = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (::readdir(d) != nullptr) ++fds_before;
+    ::closedir(d);
+  }
+  {
+    gdr::scheduler poster({.mode = gdr::run_mode::busy_poll});
+    auto target = std::make_unique<gdr::scheduler>(gdr::scheduler_options{.mode = gdr::run_mode::sleep});
+    gdr::detail::scheduler_testing::misdirect_msg_ring(*target);
+    // A poller wakes the target from inside the poster's loop, as a post
+    // to a sleeping loop would: the message is sent from the poster's ring,
+    // after this iteration's reaping, so its CQE waits for the next one.
+    struct waker final : gdr::poller {
+      gdr::scheduler* target = nullptr;
+      gdr::poll_status poll() noexcept override {
+        if (target != nullptr) std::exchange(target, nullptr)->wake();
+        return {};
+      }
+      const char* name() const noexcept override { return "waker"; }
+    } w;
+    w.target = target.get();
+    poster.add_poller(w);
+    poster.run_once(false);  // the message is submitted; its CQE is not reaped
+    poster.remove_poller(w);
+    target.reset();          // the target's eventfd stays open for the message
+    poster.drain();          // reaps the failed message: writes that eventfd, then closes it
+    CHECK(poster.stats().msg_ring_failed == 1);
+  }
+  int fds_after = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (::readdir(d) != nullptr) ++fds_after;
+    ::closedir(d);
+  }
+  CHECK(fds_after == fds_before);
+}
+
+TEST_CASE("MSG_RING support is probed from the kernel, and Linux 5.18 or later has it") {
+  gdr::scheduler s;
+  utsname u{};
+  REQUIRE(::uname(&u) == 0);
+  int major = 0, minor = 0;
+  REQUIRE(std::sscanf(u.release, "%d.%d", &major, &minor) == 2);
+  bool new_enough = major > 5 || (major == 5 && minor >= 18);
+  CHECK(gdr::detail::msg_ring_supported(*s.ring()) == new_enough);
+  CHECK(gdr::detail::scheduler_testing::wakes_by_msg_ring(s) == new_enough);
+}
+
+namespace {
+
+// Makes io_uring_enter on `s`'s ring fail (EBADF) until `restore()`, as a
+// kernel that refuses to take the SQ (EAGAIN, or EBUSY on older kernels)
+// does: liburing enters the ring through `enter_ring_fd`. SQEs prepared
+// meanwhile stay in the SQ; no completion is lost.
+struct refused_submissions {
+  io_uring* ring;
+  int saved;
+  explicit refused_submissions(gdr::scheduler& s) noexcept
+      : ring(s.ring()), saved(std::exchange(s.ring()->enter_ring_fd, -1)) {}
+  void restore() noexcept { ring->enter_ring_fd = saved; }
+};
+
+gdr::task<void> sleep_into(gdr::result<void>& out, std::chrono::nanoseconds d) {
+  out = co_await gdr::sleep_for(d).as_result();
+}
+
+}  // namespace
+
+TEST_CASE("a cancel that finds no free SQE waits for the next iteration instead of being dropped") {
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4});
+  std::stop_source stop_first, stop_rest;
+  gdr::result<void> first = gdr::errc::busy;
+  gdr::result<void> rest[4] = {gdr::errc::busy, gdr::errc::busy, gdr::errc::busy, gdr::errc::busy};
+  int first_done = 0, rest_done = 0;
+  std::size_t pending = 0;
+  std::chrono::steady_clock::duration took{};
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    sched_test::run_detached(gdr::with_stop_token(stop_first.get_token(), sleep_into(first, 3s)), first_done);
+    co_await gdr::nop();  // the first sleep is in the kernel; the SQ is empty
+    refused_submissions refused(s);
+    // Four more sleeps fill the SQ (4 entries), and the kernel will not take it.
+    for (auto& r : rest) sched_test::run_detached(gdr::with_stop_token(stop_rest.get_token(), sleep_into(r, 10s)), rest_done);
+    auto t0 = std::chrono::steady_clock::now();
+    stop_first.request_stop();  // its cancel finds no SQE
+    pending = s.pending_cancels();
+    refused.restore();
+    for (int i = 0; i < 1000 && first_done == 0; ++i) co_await gdr::sleep_for(1ms);
+    took = std::chrono::steady_clock::now() - t0;
+    stop_rest.request_stop();
+    while (rest_done < 4 || first_done < 1) co_await gdr::sleep_for(1ms);
+  }());
+  CHECK(pending == 1);
+  CHECK(s.stats().cancels_deferred == 1);
+  CHECK(first.error() == gdr::errc::cancelled);
+  CHECK(took < 1s);  // cancelled, not expired after 3 s
+  for (auto& r : rest) CHECK(r.error() == gdr::errc::cancelled);
+  CHECK(s.pending_cancels() == 0);
+  CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("a cancel without an SQE for an operation whose completion is being dispatched is not kept") {
+  // Two NOPs complete in one batch. The first one's coroutine asks, with the
+  // SQ full and refused, to cancel the second: that one is finishing anyway,
+  // and a cancel kept for later could reach a new operation at its address.
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4});
+  std::stop_source stop_second, stop_rest;
+  gdr::result<void> rest[4] = {gdr::errc::busy, gdr::errc::busy, gdr::errc::busy, gdr::errc::busy};
+  gdr::result<void> second = gdr::errc::busy;
+  int done = 0, rest_done = 0;
+  std::size_t pending = 1;
+  auto first = [&]() -> gdr::task<> {
+    co_await gdr::nop();
+    refused_submissions refused(s);
+    for (auto& r : rest) sched_test::run_detached(gdr::with_stop_token(stop_rest.get_token(), sleep_into(r, 10s)), rest_done);
+    stop_second.request_stop();
+    pending = s.pending_cancels();
+    refused.restore();
+  };
+  auto second_nop = [&]() -> gdr::task<> { second = co_await gdr::nop().as_result(); };
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    sched_test::run_detached(first(), done);
+    sched_test::run_detached(gdr::with_stop_token(stop_second.get_token(), second_nop()), done);
+    while (done < 2) co_await gdr::nop();
+    stop_rest.request_stop();
+    while (rest_done < 4) co_await gdr::sleep_for(1ms);
+  }());
+  CHECK(pending == 0);
+  CHECK(s.stats().cancels_deferred == 0);
+  CHECK(second.has_value());  // the NOP had completed
+}
+
+TEST_CASE("a kept cancel whose operation completes before it is sent is forgotten") {
+  // The cancel of a NOP is kept (SQ full and refused) by posted work that
+  // runs before the NOP's completion is reaped; the completion then makes
+  // the kept cancel moot before any SQE is free for it.
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4});
+  std::stop_source stop_nop, stop_rest;
+  gdr::result<void> rest[4] = {gdr::errc::busy, gdr::errc::busy, gdr::errc::busy, gdr::errc::busy};
+  gdr::result<void> nop_result = gdr::errc::busy;
+  int nop_done = 0, rest_done = 0;
+  std::size_t kept = 0, pending_at_completion = 1;
+  std::optional<refused_submissions> refused;
+  struct canceller : gdr::remote_work {
+    std::function<void()> f;
+  } w;
+  w.run = [](gdr::remote_work* n) noexcept { static_cast<canceller*>(n)->f(); };
+  w.f = [&] {
+    refused.emplace(s);
+    for (auto& r : rest) sched_test::run_detached(gdr::with_stop_token(stop_rest.get_token(), sleep_into(r, 10s)), rest_done);
+    stop_nop.request_stop();
+    kept = s.pending_cancels();
+  };
+  auto the_nop = [&]() -> gdr::task<> {
+    nop_result = co_await gdr::nop().as_result();
+    pending_at_completion = s.pending_cancels();
+    refused->restore();
+  };
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    sched_test::run_detached(gdr::with_stop_token(stop_nop.get_token(), the_nop()), nop_done);
+    s.post(&w);  // runs next iteration, before that iteration reaps the NOP
+    while (nop_done == 0) co_await gdr::nop();
+    stop_rest.request_stop();
+    while (rest_done < 4) co_await gdr::sleep_for(1ms);
+  }());
+  CHECK(kept == 1);
+  CHECK(pending_at_completion == 0);
+  CHECK(nop_result.has_value());
+  CHECK(s.stats().cancels_deferred == 1);
+}
+
+namespace {
+
+// Captures what the process writes to stderr between construction and
+// `text()` (a pipe replaces fd 2 meanwhile; the text must fit in the pipe).
+class stderr_capture {
+ public:
+  stderr_capture() {
+    REQUIRE(::pipe(fds_) == 0);
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    ::dup2(fds_[1], 2);
+  }
+  std::string text() {
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    ::close(fds_[1]);
+    std::string out;
+    char buf[512];
+    for (ssize_t n; (n = ::read(fds_[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+    ::close(fds_[0]);
+    return out;
+  }
+
+ private:
+  int fds_[2] = {-1, -1};
+  int saved_ = -1;
+};
+
+}  // namespace
+
+TEST_CASE("destroying a scheduler without drain finishes the operations still in flight") {
+  sched_test::watchdog wd(30);
+  int done = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    gdr::scheduler s;
+    struct starter : gdr::remote_work {
+      int* done;
+    } st;
+    st.done = &done;
+    st.run = [](gdr::remote_work* w) noexcept {
+      auto* self = static_cast<starter*>(w);
+      for (int i = 0; i < 5; ++i) sched_test::run_detached(sleep(std::chrono::milliseconds(10 + i)), *self->done);
+    };
+    s.post(&st);
+    s.run_once(false);  // starts the five sleeps
+    CHECK(s.inflight() == 5);
+  }  // no drain(): the destructor runs the loop until they complete
+  CHECK(done == 5);  // resumed, and their frames freed (LeakSanitizer would see them)
+  CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+}
+
+TEST_CASE("destroying a scheduler whose operation never completes gives up after the teardown bound and says so") {
+  sched_test::watchdog wd(30);
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  // A read on a pipe nobody writes, in memory of the test's own (no coroutine
+  // frame to leak): abandoned by the destructor, never completed.
+  struct stuck_read : gdr::operation {
+    char c = 0;
+  } op;
+  op.complete = [](gdr::operation*, int, std::uint32_t) noexcept { FAIL("an abandoned operation completed"); };
+  stderr_capture err;
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    gdr::scheduler s({.teardown_timeout = 100ms});
+    io_uring_sqe* sqe = s.get_sqe();
+    REQUIRE(sqe != nullptr);
+    io_uring_prep_read(sqe, p[0], &op.c, 1, 0);
+    io_uring_sqe_set_data(sqe, static_cast<gdr::operation*>(&op));
+    s.note_submitted();
+    s.submit();
+  }
+  auto took = std::chrono::steady_clock::now() - t0;
+  std::string text = err.text();
+  ::close(p[0]);
+  ::close(p[1]);
+  CHECK(took >= 100ms);
+  CHECK(took < 2s);
+  CHECK(text.find("gdr::scheduler: destroyed with 1 operation(s) still in flight after 100 ms") != std::string::npos);
+  CHECK(std::count(text.begin(), text.end(), '\n') == 1);  // one line
 }

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <stop_token>
@@ -165,37 +166,71 @@ TEST_CASE("cancellation from a thread running its own scheduler ends the read") 
 }
 
 TEST_CASE("a stop racing with the operation's completion ends either way, exactly once") {
-  // Each round: a byte arrives and a stop is requested from another thread
-  // at nearly the same moment. The read either got the byte or was
-  // cancelled; nothing hangs, nothing is left in flight, and the posted
-  // cancel never outlives the awaitable (ASan/TSan would see it).
+  // Each round, a byte arrives and a stop is requested from another thread.
+  // One round in three sends the byte first and the stop only once the read
+  // has returned: it must have read the byte. One sends the stop first and
+  // the byte only once the read has returned (or after 200 ms, should the
+  // stop be lost): it must be cancelled. In the third both come at nearly
+  // the same moment, and either outcome is right. So both outcomes occur in
+  // every run, whatever the timing; nothing hangs, nothing is left in flight,
+  // and the posted cancel never outlives the awaitable (ASan/TSan would see it).
   sched_test::watchdog wd(120);
   gdr::scheduler s;
   pipe_pair p;
-  int got = 0, cancelled = 0;
+  enum kind { byte_first, stop_first, racing };
+  int got = 0, cancelled = 0, racing_got = 0, racing_cancelled = 0;
   for (int i = 0; i < 300; ++i) {
+    const kind k = static_cast<kind>(i % 3);
+    CAPTURE(i);
     std::stop_source src;
+    std::atomic<bool> returned{false};
     char c = 0;
-    std::thread racer([&, i] {
-      if (i % 3 == 0) std::this_thread::yield();
-      p.put('y');
-      src.request_stop();
+    auto wait_returned = [&returned](std::chrono::milliseconds at_most) {
+      auto until = std::chrono::steady_clock::now() + at_most;
+      while (!returned.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    };
+    std::thread racer([&, i, k] {
+      switch (k) {
+        case byte_first:
+          p.put('y');
+          wait_returned(10s);
+          src.request_stop();
+          break;
+        case stop_first:
+          src.request_stop();
+          wait_returned(200ms);
+          p.put('y');
+          break;
+        case racing:
+          if (i % 2 == 0) std::this_thread::yield();
+          p.put('y');
+          src.request_stop();
+          break;
+      }
     });
     auto r = gdr::sync_wait(s, try_read(p.rd, c), src.get_token());
+    returned = true;
     racer.join();
     if (r.has_value()) {
       ++got;
+      racing_got += k == racing;
+      CHECK(k != stop_first);
+      CHECK(c == 'y');
     } else {
       CHECK(r.error() == gdr::errc::cancelled);
       ++cancelled;
+      racing_cancelled += k == racing;
+      CHECK(k != byte_first);
       // The byte is still in the pipe: drain it so the next round starts empty.
       auto drained = gdr::sync_wait(s, try_read(p.rd, c));
       CHECK(drained.has_value());
     }
     CHECK(s.inflight() == 0);
   }
+  CHECK(got >= 100);
+  CHECK(cancelled >= 100);
   CHECK(got + cancelled == 300);
-  MESSAGE("read " << got << ", cancelled " << cancelled);
+  MESSAGE("racing rounds: read " << racing_got << ", cancelled " << racing_cancelled);
 }
 
 TEST_CASE("hot operation states stay small") {

@@ -31,15 +31,29 @@ namespace gdr::tcp {
 
 /// Awaitable of `listener::accept`: `co_await` gives a `tcp::endpoint` or
 /// throws `gdr::error`; `.as_result()` gives `result<endpoint>`.
+///
+/// It refers to its listener's socket and reads the descriptor when it is
+/// awaited: a listener closed (or moved from) in between fails it with
+/// `errc::closed`. (A descriptor number kept from construction could by then
+/// name another socket: the kernel reuses the lowest free number.) The
+/// listener must therefore outlive the awaitable's `co_await`.
 class accept_awaitable : public gdr::detail::tcp::socket_op<accept_awaitable, endpoint> {
  public:
-  accept_awaitable(scheduler& s, int fd, op_options opts, memory_registry& reg, const endpoint_options& eopts) noexcept
-      : socket_op(s, std::move(opts)), fd_(fd), registry_(&reg), eopts_(eopts) {
-    if (fd < 0) early_ = errc::closed;
-  }
+  accept_awaitable(scheduler& s, const socket& listening, op_options opts, memory_registry& reg,
+                   const endpoint_options& eopts) noexcept
+      : socket_op(s, std::move(opts)), listening_(&listening), registry_(&reg), eopts_(eopts) {}
   accept_awaitable(accept_awaitable&&) noexcept = default;
 
-  void prepare(io_uring_sqe* sqe) noexcept { io_uring_prep_accept(sqe, fd_, nullptr, nullptr, SOCK_CLOEXEC); }
+  /// At submission: a closed listener has no socket to accept on.
+  std::error_code submit_error() const noexcept {
+    if (!listening_->valid()) return errc::closed;
+    return {};
+  }
+
+  void prepare(io_uring_sqe* sqe) noexcept {
+    // Read now, on the loop's thread, right after submit_error() saw it open.
+    io_uring_prep_accept(sqe, listening_->native_handle(), nullptr, nullptr, SOCK_CLOEXEC);
+  }
 
   result<endpoint> finish(std::error_code failed) noexcept {
     if (failed) {
@@ -60,15 +74,16 @@ class accept_awaitable : public gdr::detail::tcp::socket_op<accept_awaitable, en
   }
 
  private:
-  int fd_;
+  const socket* listening_;  // the listener's own socket object
   memory_registry* registry_;
   endpoint_options eopts_;
 };
 
 /// A bound, listening TCP socket. Move-only.
 ///
-/// Thread-safety: `accept` on the scheduler's thread; the rest anywhere
-/// (as a file descriptor).
+/// Thread-safety: `accept`, `close`, moves and destruction on the
+/// scheduler's thread (an accept reads the socket when it is awaited); the
+/// rest anywhere.
 class listener {
  public:
   /// Binds to `at` (port 0: any free port; see `local_address`) and
@@ -109,10 +124,15 @@ class listener {
 
   /// Waits for the next connection. `opts.timeout` bounds the wait
   /// (`errc::timed_out`), `opts.stop` cancels it; after `close()`, pending
-  /// and later accepts fail with `errc::closed`.
+  /// and later accepts fail with `errc::closed`, and so do accepts built
+  /// before but awaited after it. The listener must outlive the `co_await`.
   accept_awaitable accept(op_options opts = {}) const noexcept {
-    return {*sched_, sock_.native_handle(), std::move(opts), *registry_, eopts_};
+    return {*sched_, sock_, std::move(opts), *registry_, eopts_};
   }
+
+  /// The listening socket (-1 once closed or moved from), for diagnostics
+  /// such as `getsockopt`.
+  int native_handle() const noexcept { return sock_.native_handle(); }
 
   /// The bound address, with the port the kernel chose for port 0.
   address local_address() const noexcept {

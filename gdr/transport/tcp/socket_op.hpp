@@ -29,7 +29,9 @@ namespace gdr::detail::tcp {
 /// CRTP base. `Derived` provides `void prepare(io_uring_sqe*) noexcept` and
 /// `result<T> finish(std::error_code failed) noexcept`, where `failed` is the
 /// operation's error (cancelled, timed_out, an errno), empty when `res_`
-/// holds a result.
+/// holds a result. It may provide `std::error_code submit_error() noexcept`,
+/// asked at submission (in `await_suspend`, before an SQE is taken): an error
+/// fails the operation at once, with nothing submitted.
 template <class Derived, class T>
 class socket_op : public operation {
  public:
@@ -48,6 +50,12 @@ class socket_op : public operation {
     if (st.stop_requested() || opts_.stop.stop_requested()) {
       early_ = errc::cancelled;
       return false;
+    }
+    if constexpr (requires(Derived& d) { d.submit_error(); }) {
+      if (std::error_code ec = static_cast<Derived*>(this)->submit_error()) {
+        early_ = ec;
+        return false;
+      }
     }
     io_uring* ring = sched_->ring();
     bool timed = opts_.timeout.count() > 0;

@@ -1,11 +1,14 @@
 // gdr/transport/tcp: a raw-socket peer sends malformed or hostile bytes; the
 // endpoint fails its operations with protocol_error, closes the connection,
-// does not crash, and never allocates what the peer asks for.
+// does not crash, and never allocates what the peer asks for (measured: this
+// binary counts the loop thread's allocations).
 #include <doctest/doctest.h>
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +17,61 @@
 #include <gdr/transport/tcp.hpp>
 
 #include "tests/transport/tcp/tcp_test_util.hpp"
+
+// ---- allocation counter --------------------------------------------------
+// This binary replaces the global operator new and new[] (plain and
+// nothrow; each form, since a sanitizer runtime replaces them one by one)
+// so that a test can see what one thread allocates while it is armed: the
+// largest request (recorded before it may fail: asking for 512 GiB counts
+// even though it throws) and the bytes and calls in all. Other threads are
+// not counted. (Over-aligned forms are left to the library: not counted.)
+namespace alloc_counter {
+
+struct counts {
+  std::size_t largest = 0;
+  std::size_t bytes = 0;
+  std::size_t calls = 0;
+};
+// Constant-initialized thread_locals: usable from operator new at any time.
+thread_local bool armed = false;
+thread_local counts seen{};
+
+inline void arm() noexcept {
+  seen = {};
+  armed = true;
+}
+inline counts disarm() noexcept {
+  armed = false;
+  return seen;
+}
+
+inline void* counted_alloc(std::size_t n) noexcept {
+  if (armed) {
+    if (n > seen.largest) seen.largest = n;
+    seen.bytes += n;
+    ++seen.calls;
+  }
+  return std::malloc(n != 0 ? n : 1);
+}
+
+}  // namespace alloc_counter
+
+void* operator new(std::size_t n) {
+  if (void* p = alloc_counter::counted_alloc(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) {
+  if (void* p = alloc_counter::counted_alloc(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return alloc_counter::counted_alloc(n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return alloc_counter::counted_alloc(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace tcp = gdr::tcp;
 using namespace std::chrono_literals;
@@ -131,6 +189,22 @@ TEST_CASE("each malformed frame fails pending operations with protocol_error and
   CHECK(sched.inflight() == 0);
 }
 
+TEST_CASE("the allocation counter sees the armed thread's allocations and no other's") {
+  alloc_counter::arm();
+  std::thread other([] { std::vector<std::byte> v(std::size_t{16} << 20); });
+  other.join();
+  // Called, not new-expressions: the compiler may elide an unused pair of those.
+  void* one = ::operator new(std::size_t{1} << 20);
+  void* many = ::operator new[](std::size_t{2} << 20);
+  ::operator delete[](many);
+  ::operator delete(one);
+  const alloc_counter::counts seen = alloc_counter::disarm();
+  CHECK(seen.largest == (std::size_t{2} << 20));
+  CHECK(seen.bytes >= (std::size_t{3} << 20));
+  CHECK(seen.calls >= 2);
+  CHECK(seen.bytes < (std::size_t{16} << 20));  // not the other thread's 16 MiB
+}
+
 TEST_CASE("a huge length that a posted receive cannot hold is read through a fixed scratch, never allocated") {
   tcp_test::watchdog wd(60);
   gdr::scheduler sched;
@@ -150,9 +224,17 @@ TEST_CASE("a huge length that a posted receive cannot hold is read through a fix
       tcp_test::raw_write(fd, junk.data(), junk.size());
     });
     std::array<std::byte, 16> in{};
+    // What the loop's thread allocates while the header is parsed and the
+    // payload skipped. (The writer's 4 MiB is another thread's.)
+    alloc_counter::arm();
     auto r = co_await ep.recv(gdr::host_view(in)).as_result();
-    CHECK(r.error() == gdr::errc::truncated);  // 16 bytes kept; the rest is skipped
     while (ep.stats().reads < 10) co_await gdr::sleep_for(1ms);
+    const alloc_counter::counts seen = alloc_counter::disarm();
+    CHECK(r.error() == gdr::errc::truncated);  // 16 bytes kept; the rest is skipped
+    MESSAGE("allocated while skipping: " << seen.calls << " calls, " << seen.bytes << " bytes, largest "
+                                         << seen.largest);
+    CHECK(seen.largest < (std::size_t{64} << 10));  // nothing sized by the announced length
+    CHECK(seen.bytes < (std::size_t{64} << 10));    // nor by the bytes skipped (4 MiB)
     writer.join();
     ::close(fd);  // the peer goes away mid-message
     std::array<std::byte, 16> in2{};
