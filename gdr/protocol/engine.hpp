@@ -641,7 +641,9 @@ class engine {
           o.path_ = link_tx_path();
           complete(o, {});
         } else if (&f == &o.f2_ && o.stage_ == op::stage::sending) {
-          o.bytes_ = o.f2_.hdr.length;
+          // The whole message was taken by its receive (which may have
+          // accepted fewer bytes: truncated there, delivered here).
+          o.bytes_ = o.size_;
           o.path_ = link_tx_path();
           complete(o, {});
         }
