@@ -65,6 +65,40 @@ concept viewable = requires(V& v) {
   typename std::remove_cvref_t<decltype(gdr::detail::proto::as_view(v))>::space;
 };
 
+/// Decides one row at set-up (see `decide_paths`).
+template <class Transport, class Op, class Local, class Remote>
+void decide_row(force_path force, const char* who, std::error_code& first) {
+  if constexpr (select_path_v<Transport, Op, Local, Remote> != path_kind::unsupported) {
+    result<path_decision> d = decide_path<Transport, Op, Local, Remote>(force);
+    if (!d) {
+      if (!first) first = d.error();
+      return;
+    }
+    d->endpoint = who;
+    log_path_decision(*d);
+  }
+}
+
+/// An endpoint's set-up: decides the path of every row of the table it
+/// serves (sends and receives of each local space, puts and gets between
+/// like spaces) under `force`, and logs each decision (`GDR_LOG=path`).
+/// Returns the first row that cannot honour `force` (`errc::unsupported`):
+/// the endpoint is then not made. `who` names the endpoint in the log.
+template <class Transport>
+std::error_code decide_paths(force_path force, const char* who) {
+  std::error_code first;
+  auto spaces = [&]<class S>() {
+    decide_row<Transport, gdr::op::send, S, AnySpace>(force, who, first);
+    decide_row<Transport, gdr::op::recv, S, AnySpace>(force, who, first);
+    decide_row<Transport, gdr::op::put, S, S>(force, who, first);
+    decide_row<Transport, gdr::op::get, S, S>(force, who, first);
+  };
+  spaces.template operator()<Host>();
+  spaces.template operator()<Pinned>();
+  spaces.template operator()<Device>();
+  return first;
+}
+
 }  // namespace detail::proto
 
 /// One connected endpoint of transport `Transport` (see the file comment).

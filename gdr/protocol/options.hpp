@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include <gdr/transport/common.hpp>
+#include <gdr/transport/path.hpp>
 
 namespace gdr {
 
@@ -58,6 +59,12 @@ struct protocol_options {
   /// the handshake, so that a larger send fails alone on the sender with
   /// `errc::message_too_large` instead of breaking the connection.
   std::uint64_t max_message = std::uint64_t{1} << 30;
+  /// Which path the endpoint's operations must take (for tests and
+  /// benchmarks). Decided at set-up for every row of the path table the
+  /// endpoint serves; a path a row does not offer fails the set-up
+  /// (`errc::unsupported`), it is never downgraded. `GDR_LOG=path` prints
+  /// each decision.
+  force_path force = force_path::automatic;
 };
 
 /// Counters of one endpoint's protocol layer, updated on its scheduler's

@@ -367,7 +367,9 @@ using endpoint = basic_endpoint<transport>;
 
 /// Makes a connected pair whose ends live on two schedulers (two threads, or
 /// the same one). `registry` is consulted for the peer's `put`/`get` by
-/// both ends (one process, one table). Throws `std::bad_alloc` only.
+/// both ends (one process, one table). Throws `std::bad_alloc`, or
+/// `gdr::error` (`errc::unsupported`) when `opts.force` asks for a path this
+/// transport does not offer.
 ///
 /// \code
 ///   gdr::scheduler sa, sb;   // run on two threads
@@ -375,6 +377,8 @@ using endpoint = basic_endpoint<transport>;
 /// \endcode
 inline std::pair<endpoint, endpoint> make_pair(scheduler& a, scheduler& b, memory_registry& registry = default_registry(),
                                                const options& opts = {}) {
+  if (std::error_code ec = gdr::detail::proto::decide_paths<transport>(opts.force, "pair"))
+    throw gdr::error(ec, "gdr::loopback::make_pair: the forced path is not one this transport offers");
   auto st = std::make_shared<gdr::detail::lb::pair_state>();
   auto* ea = new gdr::detail::lb::end(a, registry, opts, st, 0);
   gdr::detail::lb::end* eb = nullptr;

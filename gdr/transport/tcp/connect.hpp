@@ -82,6 +82,21 @@ inline connect_awaitable connect(scheduler& sched, const address& to, op_options
   return {sched, to, std::move(opts), registry, eopts};
 }
 
+/// Connects to `to` with endpoint options `eopts` (and the process-wide
+/// registry); `opts` bounds or cancels the connect.
+///
+///   gdr::tcp::endpoint_options eo;
+///   eo.socket.user_timeout = 2s;
+///   auto ep = co_await gdr::tcp::connect(sched, "10.0.0.2:5000", eo);
+inline connect_awaitable connect(scheduler& sched, std::string_view to, const endpoint_options& eopts,
+                                 op_options opts = {}) noexcept {
+  return {sched, address::parse(to), std::move(opts), default_registry(), eopts};
+}
+inline connect_awaitable connect(scheduler& sched, const address& to, const endpoint_options& eopts,
+                                 op_options opts = {}) noexcept {
+  return {sched, to, std::move(opts), default_registry(), eopts};
+}
+
 /// Connects to the address in `to`, parsed by `address::parse`.
 inline connect_awaitable connect(scheduler& sched, std::string_view to, op_options opts = {},
                                  memory_registry& registry = default_registry(),

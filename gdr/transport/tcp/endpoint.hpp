@@ -52,6 +52,7 @@
 /// may come from any thread.
 #pragma once
 
+#include <string>
 #include <utility>
 
 #include <gdr/error.hpp>
@@ -109,6 +110,13 @@ class endpoint : public basic_endpoint<transport> {
   static gdr::detail::proto::engine* make(scheduler& sched, socket sock, memory_registry& registry,
                                            const endpoint_options& opts) {
     if (std::error_code ec = sock.apply(opts.socket)) throw gdr::error(ec, "gdr::tcp::endpoint: socket options");
+    std::string who;
+    if (path_log_enabled() || opts.protocol.force != force_path::automatic) {
+      result<address> peer = sock.remote_address();
+      who = peer ? peer->to_string() : std::string("?");
+    }
+    if (std::error_code ec = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str()))
+      throw gdr::error(ec, "gdr::tcp::endpoint: the forced path is not one this transport offers");
     return new gdr::detail::tcp::connection(sched, std::move(sock), registry, opts);
   }
   gdr::detail::tcp::connection* conn() const noexcept {

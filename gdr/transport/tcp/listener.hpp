@@ -109,6 +109,16 @@ class listener {
            const endpoint_options& eopts = {}, int backlog = SOMAXCONN)
       : listener(sched, parse_or_throw(at), registry, eopts, backlog) {}
 
+  /// Binds to `at` with endpoint options `eopts` (the process-wide registry).
+  ///
+  ///   gdr::tcp::endpoint_options eo;
+  ///   eo.protocol.rendezvous_threshold = 256 * 1024;
+  ///   gdr::tcp::listener l(sched, "*:5000", eo);
+  listener(scheduler& sched, std::string_view at, const endpoint_options& eopts)
+      : listener(sched, parse_or_throw(at), default_registry(), eopts) {}
+  listener(scheduler& sched, const address& at, const endpoint_options& eopts)
+      : listener(sched, at, default_registry(), eopts) {}
+
   listener(listener&&) noexcept = default;
   listener& operator=(listener&& o) noexcept {
     if (this != &o) {

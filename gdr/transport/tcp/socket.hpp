@@ -171,22 +171,31 @@ class address {
 /// `TCP_NODELAY` is always on: gdr writes whole frames (header and payload
 /// in one `sendmsg`), so Nagle's algorithm could only delay a small message
 /// behind an unacknowledged one (the 40 ms delayed-ACK stall).
+///
+/// Liveness. A peer that vanishes without a FIN or RST (power loss, cable,
+/// partition) is noticed within about 10 s with the defaults, whether the
+/// connection is busy or idle:
+///   * busy (data unacknowledged): `user_timeout`, 10 s;
+///   * idle: keepalive, 5 s of silence, then 5 probes 1 s apart: 10 s.
+/// On Linux `TCP_USER_TIMEOUT` also caps keepalive (tcp(7): it "will
+/// override keepalive"): an idle connection is dropped after
+/// max(user_timeout, keepalive_idle + keepalive_count * keepalive_interval)
+/// at most, roughly. Keep the two equal, as the defaults do, so that one
+/// number describes both; lower both to notice sooner.
 struct socket_options {
   /// `TCP_USER_TIMEOUT`: how long transmitted data may stay unacknowledged,
   /// or the peer's receive window stay closed, before the kernel drops the
-  /// connection (ETIMEDOUT: `errc::connection_lost`). It also bounds keepalive
-  /// failure detection (tcp(7): "TCP_USER_TIMEOUT will override keepalive").
-  /// This is the bound on noticing a peer that vanished without a FIN or
-  /// RST (power loss, cable, partition). Zero: the kernel default (about 15
-  /// minutes of retransmissions, `tcp_retries2`).
+  /// connection (ETIMEDOUT: `errc::connection_lost`). Zero: the kernel
+  /// default (about 15 minutes of retransmissions, `tcp_retries2`).
   ///
   /// Caveat (linux net/ipv4/tcp_timer.c, `tcp_probe_timer`, since 5.11): the
   /// zero-window case counts too, even when the peer answers every probe. A
-  /// peer that posts no receive for a large message keeps the window shut
-  /// (gdr stops reading: flow control); if it stays shut this long, the
-  /// sender's kernel aborts the connection. Raise it for peers that compute
-  /// for a long time before receiving.
-  std::chrono::milliseconds user_timeout{30'000};
+  /// receiver stops reading only when early eager messages exceed its store
+  /// (`protocol_options::unexpected_bytes`; large messages wait as
+  /// announcements and never shut the window); a peer that receives nothing
+  /// for this long while being flooded with small messages is dropped. Raise
+  /// it for such peers.
+  std::chrono::milliseconds user_timeout{10'000};
   /// `SO_KEEPALIVE` with `TCP_KEEPIDLE`/`TCP_KEEPINTVL`/`TCP_KEEPCNT`:
   /// probes an idle connection so a silent peer is noticed even when
   /// nothing is being sent. 0 idle turns keepalive off.
