@@ -62,7 +62,6 @@
 #include <vector>
 
 #include <gdr/config.hpp>
-#include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
