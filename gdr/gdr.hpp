@@ -23,6 +23,7 @@
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/sched/stop_token.hpp>
 #include <gdr/sched/timer.hpp>
 #include <gdr/sched/uring_op.hpp>
 

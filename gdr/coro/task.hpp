@@ -27,6 +27,7 @@
 #include <utility>
 
 #include <gdr/config.hpp>
+#include <gdr/sched/stop_token.hpp>
 
 namespace gdr {
 
@@ -36,10 +37,6 @@ class task;
 namespace detail {
 
 class promise_base;
-
-/// An empty token with static storage: what a coroutine observes until it is
-/// given or inherits one.
-inline const std::stop_token no_stop_token{};
 
 // The promise an awaiter on this thread is starting inline right now (see
 // promise_base::start). That promise's final suspension sets it to null to
@@ -142,33 +139,6 @@ class owning_promise_base : public promise_base {
  private:
   std::stop_token own_stop_{};
 };
-
-/// A promise type that can hand a stop token to the operations it awaits.
-template <class P>
-concept stoppable_promise = requires(const P& p) {
-  { p.stop_token() } -> std::convertible_to<const std::stop_token&>;
-};
-
-/// The stop token of the coroutine behind `h`, or an empty one.
-template <class P>
-std::stop_token stop_token_of(std::coroutine_handle<P> h) noexcept {
-  if constexpr (stoppable_promise<P>) {
-    return h.promise().stop_token();
-  } else {
-    return {};
-  }
-}
-
-/// The stop token object of the coroutine behind `h` (not a copy), or a
-/// static empty one. Valid while that coroutine is suspended in an await.
-template <class P>
-const std::stop_token& stop_token_ref(std::coroutine_handle<P> h) noexcept {
-  if constexpr (stoppable_promise<P>) {
-    return h.promise().stop_token();
-  } else {
-    return no_stop_token;
-  }
-}
 
 template <class T>
 class task_promise final : public promise_base {

@@ -84,7 +84,6 @@
 #include <chrono>
 #include <coroutine>
 #include <cstdint>
-#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -151,19 +150,22 @@ class event_operation : public operation {
 /// any thread.
 class event_poller final : public poller {
  public:
+  /// The scheduler's slot this poller takes (`scheduler::poller_slot`).
+  static constexpr poller_kind kind = poller_kind::cuda_events;
+
   /// Creates the poller and adds it to `s`. Throws `gdr::error`
   /// (`errc::invalid_argument`) if `s` already has one.
   explicit event_poller(scheduler& s, event_poller_options opts = {}) : sched_(&s), opts_(opts) {
     wake_.sched = &s;
-    {
-      std::lock_guard lock(registry().mutex);
-      for (auto& [sched, p] : registry().entries)
-        if (sched == &s)
-          throw error(make_error_code(errc::invalid_argument),
-                      "gdr::cuda::event_poller: this scheduler already has an event poller");
-      registry().entries.emplace_back(&s, this);
+    if (!s.claim_poller_slot(*this))
+      throw error(make_error_code(errc::invalid_argument),
+                  "gdr::cuda::event_poller: this scheduler already has an event poller");
+    try {
+      s.add_poller(*this);
+    } catch (...) {  // out of memory growing the poller list: leave no trace
+      s.release_poller_slot(*this);
+      throw;
     }
-    s.add_poller(*this);
   }
 
   event_poller(const event_poller&) = delete;
@@ -175,10 +177,7 @@ class event_poller final : public poller {
   ~event_poller() override {
     assert(pending_ == 0 && "gdr::cuda::event_poller destroyed with GPU operations pending");
     sched_->remove_poller(*this);
-    {
-      std::lock_guard lock(registry().mutex);
-      std::erase_if(registry().entries, [this](const auto& e) { return e.second == this; });
-    }
+    sched_->release_poller_slot(*this);
     // A host function runs after its event completed, possibly after the
     // operation was completed by polling; it still points at wake_.
     while (wake_.outstanding.load(std::memory_order_acquire) != 0) std::this_thread::yield();
@@ -186,13 +185,9 @@ class event_poller final : public poller {
       for (cudaEvent_t e : pool) check_or_log(cudaEventDestroy(e), "cudaEventDestroy");
   }
 
-  /// The poller attached to `s`, or nullptr.
-  static event_poller* of(const scheduler& s) noexcept {
-    std::lock_guard lock(registry().mutex);
-    for (auto& [sched, p] : registry().entries)
-      if (sched == &s) return p;
-    return nullptr;
-  }
+  /// The poller attached to `s`, or nullptr. A pointer load from the
+  /// scheduler's slot table: no lock, no search (every GPU await calls it).
+  static event_poller* of(const scheduler& s) noexcept { return s.poller_slot<event_poller>(); }
 
   /// Records an event on `stream` (of GPU `device`) after the work queued on
   /// it so far, and queues `op` to complete when that event has. With
@@ -310,15 +305,6 @@ class event_poller final : public poller {
     std::atomic<int> outstanding{0};
     std::atomic<std::uint64_t> fired{0};
   };
-
-  struct registry_t {
-    std::mutex mutex;
-    std::vector<std::pair<const scheduler*, event_poller*>> entries;
-  };
-  static registry_t& registry() noexcept {
-    static registry_t r;
-    return r;
-  }
 
   // Runs on a CUDA driver thread: no CUDA calls allowed, none made.
   static void CUDART_CB on_host_func(void* p) {

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <chrono>
+#include <concepts>
+#include <cstddef>
 
 namespace gdr {
 
@@ -35,6 +37,27 @@ class poller {
   virtual poll_status poll() noexcept = 0;
   /// A short name for diagnostics ("cuda-events", "verbs-cq").
   virtual const char* name() const noexcept = 0;
+};
+
+/// The kinds of poller a scheduler keeps one slot for: completion sources of
+/// which a scheduler has at most one, and which an awaitable must find from
+/// its scheduler on every await (`scheduler::poller_slot`). The kinds are
+/// named here, and the poller types that fill them live in higher layers
+/// (gdr/cuda/, later gdr/verbs/): so the slots are a fixed array inside the
+/// scheduler, and sched/ includes none of those layers.
+enum class poller_kind : unsigned char {
+  cuda_events,  ///< `gdr::cuda::event_poller`
+};
+
+namespace detail {
+inline constexpr std::size_t poller_kind_count = 1;  // enumerators of poller_kind
+}  // namespace detail
+
+/// A poller type that has a slot in its scheduler: it derives from `poller`
+/// and names its kind as `static constexpr poller_kind kind`.
+template <class P>
+concept slotted_poller = std::derived_from<P, poller> && requires {
+  { P::kind } -> std::convertible_to<poller_kind>;
 };
 
 }  // namespace gdr

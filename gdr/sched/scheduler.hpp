@@ -100,7 +100,6 @@
 #include <vector>
 
 #include <gdr/config.hpp>
-#include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
@@ -336,6 +335,36 @@ class scheduler {
     ++pollers_changed_;
   }
 
+  /// This scheduler's poller of type `P` (the one holding the slot of
+  /// `P::kind`), or nullptr. One load, no lock and no search: awaitables call
+  /// it on every await. Safe from any thread; the pointer stays valid while
+  /// that poller lives, which is its owner's business.
+  template <slotted_poller P>
+  P* poller_slot() const noexcept {
+    // Acquire pairs with the release in claim_poller_slot: a thread that sees
+    // the pointer sees the poller as constructed up to its claim.
+    return static_cast<P*>(poller_slots_[slot_index<P>()].load(std::memory_order_acquire));
+  }
+
+  /// Puts `p` in the slot of `P::kind` if the slot is empty. Returns false,
+  /// and changes nothing, if another poller holds it: a scheduler has at most
+  /// one poller of each kind. Does not add `p` to the polled set
+  /// (`add_poller` does). Safe from any thread.
+  template <slotted_poller P>
+  bool claim_poller_slot(P& p) noexcept {
+    poller* expected = nullptr;
+    return poller_slots_[slot_index<P>()].compare_exchange_strong(expected, &p, std::memory_order_acq_rel,
+                                                                  std::memory_order_acquire);
+  }
+
+  /// Empties the slot of `P::kind` if `p` holds it (for `p`'s destructor).
+  template <slotted_poller P>
+  void release_poller_slot(P& p) noexcept {
+    poller* expected = &p;
+    poller_slots_[slot_index<P>()].compare_exchange_strong(expected, nullptr, std::memory_order_release,
+                                                           std::memory_order_relaxed);
+  }
+
   // ---------------------------------------------------------------- remote
 
   /// Hands `w` to this scheduler's thread; `w->run` is called there once, in
@@ -558,6 +587,13 @@ class scheduler {
 #endif
   }
 
+  template <class P>
+  static constexpr std::size_t slot_index() noexcept {
+    static_assert(static_cast<std::size_t>(P::kind) < detail::poller_kind_count,
+                  "poller_kind_count does not count every poller_kind");
+    return static_cast<std::size_t>(P::kind);
+  }
+
   struct binding {
     scheduler* prev;
     explicit binding(scheduler* s) noexcept : prev(std::exchange(detail::current_scheduler, s)) {}
@@ -695,6 +731,9 @@ class scheduler {
   unsigned batch_size_ = 0;
   std::vector<poller*> pollers_;
   std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
+  // Written when a poller is constructed or destroyed, read on every await
+  // that needs one: atomics so that poller_slot() is safe from any thread.
+  std::atomic<poller*> poller_slots_[detail::poller_kind_count]{};
   std::atomic<remote_work*> remote_head_{nullptr};
   std::atomic<bool> sleeping_{false};
   scheduler_stats stats_{};

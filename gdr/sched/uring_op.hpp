@@ -22,10 +22,10 @@
 #include <type_traits>
 #include <utility>
 
-#include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/sched/stop_token.hpp>
 
 namespace gdr {
 

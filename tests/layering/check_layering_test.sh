@@ -1,0 +1,76 @@
+#!/bin/bash
+# The layering check can fail: on copies of the real headers with one
+# forbidden include added (directly, two headers down, behind
+# `#if GDR_HAS_CUDA`), check_layering.sh must exit 1 and name the chain; on
+# the unchanged copy it must pass, and on a tree without the headers a rule
+# names it must refuse (exit 2) rather than pass.
+#
+#   bash tests/layering/check_layering_test.sh tests/layering/check_layering.sh .
+set -uo pipefail
+
+check=$1
+src=$2  # holds gdr/
+work=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+# fresh_copy DIR: DIR/gdr is a writable copy of the headers (runfiles are links).
+fresh_copy() {
+  rm -rf "$1"
+  mkdir -p "$1"
+  cp -RL "$src/gdr" "$1/gdr"
+}
+
+# expect NAME STATUS PATTERN DIR: check_layering.sh on DIR exits STATUS and
+# prints a line matching PATTERN.
+expect() {
+  local name=$1 status=$2 pattern=$3 dir=$4 out rc
+  out=$(bash "$check" "$dir" 2>&1)
+  rc=$?
+  if [[ $rc -ne $status ]] || ! grep -qE -- "$pattern" <<<"$out"; then
+    echo "FAIL: $name: expected exit $status and a line matching '$pattern', got exit $rc:"
+    sed 's/^/    /' <<<"$out"
+    failures=$((failures + 1))
+  else
+    echo "ok: $name"
+  fi
+}
+
+fresh_copy "$work/clean"
+expect "the headers as they are pass" 0 '^layering ok$' "$work/clean"
+
+fresh_copy "$work/direct"
+echo '#include <gdr/coro/when_all.hpp>' >>"$work/direct/gdr/sched/poller.hpp"
+expect "a sched header including coro fails" 1 \
+  '^  gdr/sched/poller.hpp -> gdr/coro/when_all.hpp$' "$work/direct"
+
+fresh_copy "$work/transitive"
+cat >"$work/transitive/gdr/sched/helper.hpp" <<'EOF'
+#pragma once
+#include <gdr/coro/task.hpp>
+EOF
+echo '#include <gdr/sched/helper.hpp>' >>"$work/transitive/gdr/sched/operation.hpp"
+expect "sched reaching coro through another header fails" 1 \
+  '^  gdr/sched/operation.hpp -> gdr/sched/helper.hpp -> gdr/coro/task.hpp$' "$work/transitive"
+
+fresh_copy "$work/cuda"
+printf '#if GDR_HAS_CUDA\n#include <gdr/cuda/stream.hpp>\n#endif\n' >>"$work/cuda/gdr/memory/space.hpp"
+expect "a memory type including cuda, even behind GDR_HAS_CUDA, fails" 1 \
+  '^  gdr/memory/space.hpp -> gdr/cuda/stream.hpp$' "$work/cuda"
+# view.hpp includes space.hpp: the same violation reaches it too.
+expect "the memory types above it fail with it" 1 \
+  '^  gdr/memory/view.hpp -> gdr/memory/space.hpp -> gdr/cuda/stream.hpp$' "$work/cuda"
+
+fresh_copy "$work/runtime"
+echo '#include <cuda_runtime_api.h>' >>"$work/runtime/gdr/memory/remote_view.hpp"
+expect "a memory type including a CUDA header fails" 1 \
+  '^  gdr/memory/remote_view.hpp -> cuda_runtime_api.h$' "$work/runtime"
+
+fresh_copy "$work/renamed"
+rm "$work/renamed"/gdr/sched/*.hpp
+expect "a rule that matches no header refuses to pass" 2 'no header matches' "$work/renamed"
+
+if ((failures)); then
+  echo "$failures case(s) failed"
+  exit 1
+fi
+echo "all cases passed"
