@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <coroutine>
 #include <cstddef>
@@ -57,7 +58,20 @@ detached spawn(F f, int& done) {
   ++done;
 }
 
-// An endpoint pair connected over 127.0.0.1, both on `s`.
+// Waits until both endpoints have the other's hello (the handshake is done).
+// False after 5 s.
+template <class A, class B>
+gdr::task<bool> handshake_done(const A& a, const B& b) {
+  for (int i = 0; i < 5000; ++i) {
+    if (a.peer_max_message() != 0 && b.peer_max_message() != 0) co_return true;
+    co_await gdr::sleep_for(std::chrono::milliseconds(1));
+  }
+  co_return false;
+}
+
+// An endpoint pair connected over 127.0.0.1, both on `s`, with the
+// handshake done (each has the other's hello), so that what a test starts
+// next does not race it.
 inline gdr::task<std::pair<gdr::tcp::endpoint, gdr::tcp::endpoint>> connected_pair(
     gdr::scheduler& s, gdr::memory_registry& reg = gdr::default_registry(),
     gdr::tcp::endpoint_options opts = {}) {
@@ -65,6 +79,7 @@ inline gdr::task<std::pair<gdr::tcp::endpoint, gdr::tcp::endpoint>> connected_pa
   auto acc = l.accept();
   gdr::tcp::endpoint a = co_await gdr::tcp::connect(s, l.local_address(), {}, reg, opts);
   gdr::tcp::endpoint b = co_await std::move(acc);
+  REQUIRE(co_await handshake_done(a, b));
   co_return std::pair<gdr::tcp::endpoint, gdr::tcp::endpoint>(std::move(a), std::move(b));
 }
 
@@ -192,13 +207,18 @@ inline bool send_hello(int fd, const gdr::tcp::frame_header& hello = hello_heade
 
 // Waits, letting the loop run (the endpoint on this thread must get to
 // write), until `n` bytes can be read from `fd` without blocking. False
-// after `limit`.
+// after `limit`, or at end of stream (or a reset) before `n` bytes.
 inline gdr::task<bool> wait_readable(int fd, std::size_t n,
                                      std::chrono::milliseconds limit = std::chrono::seconds(5)) {
   auto until = std::chrono::steady_clock::now() + limit;
   for (;;) {
     int avail = 0;
     if (::ioctl(fd, FIONREAD, &avail) == 0 && static_cast<std::size_t>(avail) >= n) co_return true;
+    if (avail == 0) {
+      char c;
+      ssize_t k = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) co_return false;
+    }
     if (std::chrono::steady_clock::now() > until) co_return false;
     co_await gdr::sleep_for(std::chrono::milliseconds(1));
   }
