@@ -69,6 +69,14 @@ gdr::task<bool> handshake_done(const A& a, const B& b) {
   co_return false;
 }
 
+// Starts endpoint operation `op` now (it is pending from here on: a
+// rendezvous send needs its receive posted, not merely created), stores its
+// report in `out` and counts it in `done` when it completes.
+inline detached start(gdr::op_awaitable op, gdr::op_report& out, int& done) {
+  out = co_await std::move(op).report();
+  ++done;
+}
+
 // An endpoint pair connected over 127.0.0.1, both on `s`, with the
 // handshake done (each has the other's hello), so that what a test starts
 // next does not race it.
