@@ -237,10 +237,11 @@ class basic_endpoint {
             remote.key(), std::move(opts)};
   }
 
-  /// Closes the endpoint in order: waits for the operations already started
-  /// that write (sends, puts, gets) to go out, tells the peer, then fails
-  /// what is still pending (receives, unanswered puts and gets) with
-  /// `errc::closed`. The peer's pending operations fail with
+  /// Closes the endpoint in order: waits for the sends already started to go
+  /// out (a rendezvous send until the peer's receive has taken it; a send
+  /// waiting for the peer's handshake until it arrived), tells the peer,
+  /// then fails what is still pending (receives, unanswered puts and gets)
+  /// with `errc::closed`. The peer's pending operations fail with
   /// `errc::peer_closed` after it has received everything sent before.
   /// Completes once the transport holds nothing of this endpoint. A timeout
   /// or stop aborts the flush (`errc::timed_out` / `errc::cancelled`).

@@ -61,6 +61,13 @@
 ///   * A put or get stops at once unless its request is being written; a
 ///     late answer is dropped.
 ///
+/// Close. `close()` sends a `close` frame after every send already started
+/// (held ones once the hello arrives; rendezvous ones once their receive has
+/// taken them: a close waits for the peer to receive what was sent, bounded
+/// by the close's own timeout), then fails what is still pending with
+/// `errc::closed`; the peer fails its pending operations with
+/// `errc::peer_closed` after receiving everything sent before.
+///
 /// Failure. When the transport fails (peer gone, protocol error) or the
 /// endpoint closes, every pending and later operation fails with that
 /// error, in order; messages already kept remain receivable.
@@ -820,13 +827,11 @@ class engine {
     if (closing_) return false;  // a second close: nothing more to do
     closing_ = true;
     o.f1_.owner = &o;
-    if (error_ || !got_hello_) {
-      // Failed already (nothing to flush), or the peer never said hello:
-      // held operations fail with errc::closed. Wait only for the
-      // transport to be quiet.
-      if (!error_) fail(errc::closed);
+    close_op_ = &o;
+    if (error_) {
+      // Failed already: nothing to flush. Wait only for the transport to
+      // be quiet.
       o.result_set_ = true;
-      close_op_ = &o;
       if (link_quiet()) {
         close_op_ = nullptr;
         link_release();
@@ -834,11 +839,22 @@ class engine {
       }
       return true;
     }
-    close_op_ = &o;
+    // The close frame follows every send already started: those waiting
+    // for the peer's hello, and rendezvous sends until their receive has
+    // taken them (maybe_post_close).
+    maybe_post_close();
+    return true;
+  }
+
+  /// Posts the close frame once nothing started before it is left to send.
+  void maybe_post_close() noexcept {
+    if (close_op_ == nullptr || close_posted_ || error_ || close_op_->result_set_) return;
+    if (!got_hello_ || !held_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
+    close_posted_ = true;
+    op& o = *close_op_;
     o.f1_.hdr = header{};
     o.f1_.hdr.type = msg::close;
     link_post(o.f1_);
-    return true;
   }
 
   void cancel_send(op& o, std::error_code why) noexcept {
@@ -885,6 +901,7 @@ class engine {
     o.result_set_ = true;
     o.ec_ = ec;
     switch (o.stage_) {
+      case op::stage::sending: --rendezvous_out_; break;
       case op::stage::held: held_.erase(&o); break;
       case op::stage::posted: recvs_.erase(&o); break;
       case op::stage::announced:
@@ -905,6 +922,7 @@ class engine {
     }
     if (o.placing_ && cur_.kind == target::op_payload && cur_.o == &o) abort_current();
     o.stage_ = op::stage::idle;
+    if (closing_ && o.kind_ == op::kind::send) maybe_post_close();
     try_finish(o);
   }
 
@@ -1064,6 +1082,7 @@ class engine {
       o->stage_ = op::stage::idle;
       if (!launch(*o)) complete(*o, o->ec_);  // larger than the peer accepts
     }
+    maybe_post_close();
     return consumed();
   }
 
@@ -1124,6 +1143,7 @@ class engine {
     // ignored by the peer, which matched the message first.
     s->stop_reason_ = {};
     s->stage_ = op::stage::sending;
+    ++rendezvous_out_;
     frame& f = s->f2_;
     f = frame{};
     f.owner = s;
@@ -1300,6 +1320,8 @@ class engine {
   std::uint64_t peer_caps_ = 0;
   std::uint64_t next_id_ = 1;
   op* close_op_ = nullptr;
+  bool close_posted_ = false;
+  std::size_t rendezvous_out_ = 0;  // rendezvous sends whose data is posted, not yet written
   int busy_ = 0;
   std::size_t attached_ = 0;  // operations suspended and not yet resumed
   op* ready_head_ = nullptr;

@@ -1,7 +1,9 @@
 // gdr/transport/tcp: a raw-socket peer sends malformed or hostile bytes; the
 // endpoint fails its operations with protocol_error, closes the connection,
 // does not crash, and never allocates what the peer asks for (measured: this
-// binary counts the loop thread's allocations).
+// binary counts the loop thread's allocations). The raw peer speaks wire v2:
+// its first frame is a hello (tcp_test_util.hpp), unless the case is about
+// the hello itself.
 #include <doctest/doctest.h>
 
 #include <array>
@@ -9,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,83 +77,171 @@ void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace tcp = gdr::tcp;
+namespace proto = gdr::detail::proto;
 using namespace std::chrono_literals;
 using tcp::frame_header;
+using tcp::frame_status;
 using tcp::frame_type;
+using tcp_test::frame_stream;
+using tcp_test::hello_header;
 
 namespace {
 
 struct hostile_case {
   std::string name;
   std::vector<std::byte> bytes;
+  frame_status reason;              // what protocol_error_reason() must say
+  bool first_delivered = false;     // a valid message comes before the bad bytes
 };
 
-std::vector<std::byte> header(frame_header h) { return tcp_test::frame_bytes(h); }
+std::vector<std::byte> header(frame_header h, std::uint32_t seq) { return tcp_test::frame_bytes(h, seq); }
 
 std::vector<std::byte> patch(std::vector<std::byte> v, std::size_t at, std::uint8_t value) {
   v[at] = static_cast<std::byte>(value);
   return v;
 }
 
-frame_header data(std::uint64_t len, std::uint32_t seq = 0) {
+frame_header eager(std::uint64_t len) {
   frame_header h;
-  h.type = frame_type::data;
+  h.type = frame_type::eager;
   h.length = len;
-  h.seq = seq;
   return h;
+}
+
+// The hello, then `bytes` as the peer's next frame(s).
+std::vector<std::byte> after_hello(const std::vector<std::byte>& bytes) {
+  frame_stream s(hello_header());
+  s.raw(bytes);
+  return std::move(s.bytes);
 }
 
 std::vector<hostile_case> cases() {
   std::vector<hostile_case> v;
-  auto ok = header(data(4));
-  v.push_back({"bad magic", patch(ok, 0, 'X')});
-  v.push_back({"wrong version", patch(ok, 4, 2)});
-  v.push_back({"unknown type", patch(ok, 5, 0x7f)});
-  v.push_back({"type zero", patch(ok, 5, 0)});
-  v.push_back({"a flag bit set", patch(ok, 6, 1)});
-  v.push_back({"unknown status", patch(ok, 12, 9)});
-  v.push_back({"data frame with a key", patch(ok, 32, 1)});
-  v.push_back({"length asking for gigabytes", header(data(std::uint64_t{8} << 30))});
-  v.push_back({"length near 2^64", header(data(~std::uint64_t{0}))});
-  v.push_back({"sequence out of step", header(data(4, 5))});
+  auto ok = header(eager(4), 1);  // the frame after the hello
+  // ---- the frame format ----
+  v.push_back({"bad magic", after_hello(patch(ok, 0, 'X')), frame_status::bad_magic});
+  v.push_back({"wrong version", after_hello(patch(ok, 4, 3)), frame_status::bad_version});
+  v.push_back({"version 0", after_hello(patch(ok, 4, 0)), frame_status::bad_version});
   {
-    frame_header h;
-    h.type = frame_type::put_ack;
-    v.push_back({"a reply to nothing", header(h)});
-    h.type = frame_type::get_reply;
-    h.length = 16;
-    v.push_back({"get data nobody asked for", header(h)});
+    // A version 1 peer: 40-byte headers, no hello. Its first frame (a data
+    // frame of 24 bytes, 64 bytes in all) is refused by its version byte.
+    std::vector<std::byte> v1(40 + 24, std::byte{0x61});
+    const std::uint8_t head[] = {'G', 'D', 'R', 'T', 1, 1, 0, 0};
+    std::memcpy(v1.data(), head, sizeof head);
+    std::memset(v1.data() + 8, 0, 32);
+    v1[16] = std::byte{24};  // its length field
+    v.push_back({"a version 1 peer", v1, frame_status::bad_version});
   }
+  v.push_back({"unknown type", after_hello(patch(ok, 5, 0x7f)), frame_status::bad_type});
+  v.push_back({"type zero", after_hello(patch(ok, 5, 0)), frame_status::bad_type});
+  v.push_back({"type one past the last", after_hello(patch(ok, 5, proto::msg_max + 1)), frame_status::bad_type});
+  v.push_back({"a flag bit set", after_hello(patch(ok, 6, 1)), frame_status::bad_flags});
+  v.push_back({"the top flag bit set", after_hello(patch(ok, 7, 0x80)), frame_status::bad_flags});
+  v.push_back({"unknown status", after_hello(patch(ok, 12, 9)), frame_status::bad_field});
+  v.push_back({"a status on an eager message", after_hello(patch(ok, 12, 1)), frame_status::bad_field});
+  v.push_back({"a reserved byte set", after_hello(patch(ok, 14, 1)), frame_status::bad_field});
+  v.push_back({"eager message with a key", after_hello(patch(ok, 56, 1)), frame_status::bad_field});
+  v.push_back({"eager message with a send id", after_hello(patch(ok, 40, 1)), frame_status::bad_field});
+  v.push_back({"length asking for gigabytes", after_hello(header(eager(std::uint64_t{8} << 30), 1)),
+               frame_status::too_long});
+  v.push_back({"length near 2^64", after_hello(header(eager(~std::uint64_t{0}), 1)), frame_status::too_long});
   {
     frame_header h;
     h.type = frame_type::close;
     h.length = 3;
-    v.push_back({"close frame with a length", header(h)});
+    v.push_back({"close frame with a length", after_hello(header(h, 1)), frame_status::bad_field});
   }
   {
     frame_header h;
     h.type = frame_type::get_reply;
-    h.status = tcp::wire_status::remote_access;
+    h.id = 1;
+    h.st = proto::status::remote_access;
     h.length = 8;
-    v.push_back({"a refusal carrying data", header(h)});
+    v.push_back({"a refusal carrying data", after_hello(header(h, 1)), frame_status::bad_field});
   }
+  {
+    frame_header h;
+    h.type = frame_type::rts;
+    h.size = gdr::protocol_options{}.max_message + 1;
+    h.id = 1;
+    v.push_back({"an announcement larger than this side accepts", after_hello(header(h, 1)),
+                 frame_status::bad_field});
+  }
+  // ---- the order of frames ----
+  v.push_back({"sequence out of step", after_hello(header(eager(4), 5)), frame_status::bad_field});
+  v.push_back({"a sequence number repeated", after_hello(header(eager(4), 0)), frame_status::bad_field});
+  v.push_back({"a frame before the hello", header(eager(4), 0), frame_status::bad_field});
+  {
+    frame_header h;
+    h.type = frame_type::put_request;
+    h.length = 4;
+    h.id = 1;
+    h.addr = 0x1000;
+    h.key = 1;
+    v.push_back({"a put before the hello", header(h, 0), frame_status::bad_field});
+  }
+  // ---- the hello ----
+  v.push_back({"a second hello", after_hello(header(hello_header(), 1)), frame_status::bad_field});
+  v.push_back({"a hello of protocol version 1", header(hello_header(1 << 20, proto::caps::host, 1), 0),
+               frame_status::bad_field});
+  v.push_back({"a hello of protocol version 3", header(hello_header(1 << 20, proto::caps::host, 3), 0),
+               frame_status::bad_field});
+  v.push_back({"a hello with unknown capabilities", header(hello_header(1 << 20, std::uint64_t{1} << 9), 0),
+               frame_status::bad_field});
+  v.push_back({"a hello that accepts no message", header(hello_header(0), 0), frame_status::bad_field});
+  // ---- answers and rendezvous frames nobody asked for ----
+  {
+    frame_header h;
+    h.type = frame_type::put_ack;
+    h.id = 77;
+    v.push_back({"a reply to nothing asked", after_hello(header(h, 1)), frame_status::bad_field});
+    h.type = frame_type::get_reply;
+    h.length = 16;
+    auto b = header(h, 1);
+    b.resize(b.size() + 16, std::byte{0xCC});
+    v.push_back({"get data nobody asked for", after_hello(b), frame_status::bad_field});
+  }
+  {
+    frame_header h;
+    h.type = frame_type::data;
+    h.addr = 999;
+    h.length = 4;
+    auto b = header(h, 1);
+    b.resize(b.size() + 4, std::byte{0xCC});
+    v.push_back({"data for an unknown rendezvous token", after_hello(b), frame_status::bad_field});
+  }
+  {
+    frame_header h;
+    h.type = frame_type::rtr;
+    h.id = 42;
+    h.size = 4;
+    h.addr = 1;
+    v.push_back({"rtr for an unknown send id", after_hello(header(h, 1)), frame_status::bad_field});
+    h = frame_header{};
+    h.type = frame_type::rts_withdrawn;
+    h.id = 42;
+    v.push_back({"rts_withdrawn for an unknown send id", after_hello(header(h, 1)), frame_status::bad_field});
+  }
+  // ---- not frames at all ----
   // A valid frame followed by garbage where the next header should be.
-  auto two = header(data(4));
-  for (char c : std::string("abcd")) two.push_back(static_cast<std::byte>(c));
-  for (int i = 0; i < 40; ++i) two.push_back(std::byte{0xFF});
-  v.push_back({"garbage after a valid frame", two});
-  // Not gdr at all.
-  std::string http = "GET / HTTP/1.1\r\nHost: x\r\n\r\n........................";
+  frame_stream two(hello_header());
+  two.add(eager(4), "abcd");
+  std::vector<std::byte> garbage(64, std::byte{0xFF});
+  two.raw(garbage);
+  v.push_back({"garbage after a valid frame", two.bytes, frame_status::bad_magic, true});
+  // Not gdr at all (at least a header's worth of it).
+  std::string http = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+  http.resize(80, '.');
   std::vector<std::byte> h(http.size());
   std::memcpy(h.data(), http.data(), http.size());
-  v.push_back({"an HTTP request", h});
+  v.push_back({"an HTTP request", h, frame_status::bad_magic});
   return v;
 }
 
 }  // namespace
 
 TEST_CASE("each malformed frame fails pending operations with protocol_error and closes the connection") {
-  tcp_test::watchdog wd(60);
+  tcp_test::watchdog wd(120);
   gdr::scheduler sched;
   for (const hostile_case& c : cases()) {
     CAPTURE(c.name);
@@ -159,6 +250,8 @@ TEST_CASE("each malformed frame fails pending operations with protocol_error and
       auto acc = l.accept();
       int fd = tcp_test::raw_connect(l.local_address().port());
       tcp::endpoint ep = co_await std::move(acc);
+      // The endpoint speaks first: its hello, frame 0.
+      CHECK(co_await tcp_test::read_hello(fd));
       std::array<std::byte, 64> in{};
       int done = 0;
       gdr::result<std::size_t> r = gdr::errc::busy;
@@ -169,17 +262,18 @@ TEST_CASE("each malformed frame fails pending operations with protocol_error and
       REQUIRE(tcp_test::raw_write(fd, c.bytes.data(), c.bytes.size()));
       for (int i = 0; i < 2000 && done < 2; ++i) co_await gdr::sleep_for(1ms);
       CHECK(done == 2);
-      if (c.name == "garbage after a valid frame") {
+      if (c.first_delivered) {
         CHECK(r.has_value());  // the valid frame is delivered first
       } else {
         CHECK(r.error() == gdr::errc::protocol_error);
       }
       CHECK(r2.error() == gdr::errc::protocol_error);
       CHECK(ep.error() == gdr::errc::protocol_error);
-      CHECK(ep.protocol_error_reason() != tcp::frame_status::ok);
+      CHECK(ep.protocol_error_reason() == c.reason);
       // Later operations fail the same way, at once.
       CHECK((co_await ep.send(gdr::host_view(x)).as_result()).error() == gdr::errc::protocol_error);
-      // The connection is closed: the raw peer reads end of stream (or a reset).
+      // The connection is closed: the raw peer reads end of stream (or a
+      // reset), not a close frame.
       char byte;
       CHECK(::recv(fd, &byte, 1, 0) <= 0);
       ::close(fd);
@@ -205,20 +299,141 @@ TEST_CASE("the allocation counter sees the armed thread's allocations and no oth
   CHECK(seen.bytes < (std::size_t{16} << 20));  // not the other thread's 16 MiB
 }
 
+TEST_CASE("a hand-written peer that says hello is served, and nothing but the hello goes out before the peer's") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp::listener l(sched, tcp::address::loopback(0));
+    auto acc = l.accept();
+    int fd = tcp_test::raw_connect(l.local_address().port());
+    tcp::endpoint ep = co_await std::move(acc);
+    auto hello = co_await tcp_test::read_frame(fd);
+    REQUIRE(hello.status == frame_status::ok);
+    CHECK(hello.seq == 0);
+    CHECK(hello.header.type == frame_type::hello);
+    CHECK(hello.header.id == proto::version);
+    CHECK(hello.header.size == gdr::protocol_options{}.max_message);
+    CHECK((hello.header.tag & proto::caps::host) != 0);
+    CHECK(ep.peer_max_message() == 0);  // no hello from the peer yet
+    // A send waits for the peer's hello: nothing more is on the wire.
+    std::array<char, 4> out{'p', 'i', 'n', 'g'};
+    int done = 0;
+    gdr::result<std::size_t> sent = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> { sent = co_await ep.send(gdr::host_view(out)).as_result(); }, done);
+    CHECK(!co_await tcp_test::wait_readable(fd, 1, 50ms));
+    CHECK(done == 0);
+    REQUIRE(tcp_test::send_hello(fd, hello_header(1 << 20)));
+    auto m = co_await tcp_test::read_frame(fd);
+    REQUIRE(m.status == frame_status::ok);
+    CHECK(m.seq == 1);
+    CHECK(m.header.type == frame_type::eager);
+    CHECK(m.header.length == 4);
+    std::array<char, 4> got{};
+    REQUIRE(tcp_test::raw_read(fd, got.data(), got.size()));
+    CHECK(got == out);
+    while (done < 1) co_await gdr::sleep_for(1ms);
+    CHECK(sent.has_value());
+    CHECK(ep.peer_max_message() == (1u << 20));
+    // And the other way: an eager message of tag 5 from the raw peer.
+    frame_stream s;
+    s.seq = 1;
+    frame_header e = eager(3);
+    e.tag = 5;
+    s.add(e, "abc");
+    REQUIRE(s.write_to(fd));
+    std::array<char, 8> in{};
+    auto rep = co_await ep.recv(gdr::host_view(in), gdr::tag{5}).report();
+    CHECK(!rep.error);
+    CHECK(rep.bytes == 3);
+    CHECK(rep.tag == 5);
+    CHECK(rep.protocol == gdr::wire_protocol::eager);
+    CHECK(std::string(in.data(), 3) == "abc");
+    // An orderly close sends a close frame (frame 2), then end of stream.
+    co_await ep.close();
+    auto cl = co_await tcp_test::read_frame(fd);
+    CHECK(cl.status == frame_status::ok);
+    CHECK(cl.seq == 2);
+    CHECK(cl.header.type == frame_type::close);
+    char byte;
+    CHECK(::recv(fd, &byte, 1, 0) <= 0);
+    ::close(fd);
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("a hand-written peer's rendezvous is received, and data of another length than accepted is refused") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  for (bool honest : {true, false}) {
+    CAPTURE(honest);
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      tcp::listener l(sched, tcp::address::loopback(0));
+      auto acc = l.accept();
+      int fd = tcp_test::raw_connect(l.local_address().port());
+      tcp::endpoint ep = co_await std::move(acc);
+      REQUIRE(co_await tcp_test::read_hello(fd));
+      std::vector<std::byte> in(200000);
+      int done = 0;
+      gdr::op_report rep{};
+      tcp_test::spawn([&]() -> gdr::task<> { rep = co_await ep.recv(gdr::host_view(in)).report(); }, done);
+      // Announce 100000 bytes (send id 7); the receive answers rtr.
+      frame_stream s(hello_header());
+      frame_header rts;
+      rts.type = frame_type::rts;
+      rts.size = 100000;
+      rts.id = 7;
+      s.add(rts);
+      REQUIRE(s.write_to(fd));
+      auto rtr = co_await tcp_test::read_frame(fd);
+      REQUIRE(rtr.status == frame_status::ok);
+      CHECK(rtr.seq == 1);
+      CHECK(rtr.header.type == frame_type::rtr);
+      CHECK(rtr.header.id == 7);
+      CHECK(rtr.header.size == 100000);  // all of it fits
+      frame_header d;
+      d.type = frame_type::data;
+      d.addr = rtr.header.addr;  // the receive's token
+      d.length = honest ? 100000 : 99999;
+      std::vector<std::byte> payload(d.length, std::byte{0x3C});
+      s.add(d, payload);
+      REQUIRE(s.write_to(fd));
+      for (int i = 0; i < 2000 && done < 1; ++i) co_await gdr::sleep_for(1ms);
+      REQUIRE(done == 1);
+      if (honest) {
+        CHECK(!rep.error);
+        CHECK(rep.bytes == 100000);
+        CHECK(rep.message_size == 100000);
+        CHECK(rep.protocol == gdr::wire_protocol::rendezvous);
+        CHECK(in[99999] == std::byte{0x3C});
+        CHECK(in[100000] == std::byte{0});
+        CHECK(ep.is_open());
+      } else {
+        CHECK(rep.error == gdr::errc::protocol_error);
+        CHECK(ep.error() == gdr::errc::protocol_error);
+        CHECK(ep.protocol_error_reason() == frame_status::bad_field);
+      }
+      ::close(fd);
+      co_await ep.close();
+    }());
+  }
+  CHECK(sched.inflight() == 0);
+}
+
 TEST_CASE("a huge length that a posted receive cannot hold is read through a fixed scratch, never allocated") {
   tcp_test::watchdog wd(60);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     tcp::endpoint_options opts;
-    opts.max_message = std::uint64_t{1} << 40;  // accept the announcement...
+    opts.protocol.max_message = std::uint64_t{1} << 40;  // accept the header...
     tcp::listener l(sched, tcp::address::loopback(0), gdr::default_registry(), opts);
     auto acc = l.accept();
     int fd = tcp_test::raw_connect(l.local_address().port());
     tcp::endpoint ep = co_await std::move(acc);
-    // ...of a 512 GiB message, of which 4 MiB arrive, then the peer stops.
-    // (Written from another thread: more than the socket buffers hold.)
+    // ...of a 512 GiB eager message, of which 4 MiB arrive, then the peer
+    // stops. (Written from another thread: more than the socket buffers hold.)
     std::thread writer([fd] {
-      auto h = header(data(std::uint64_t{512} << 30));
+      tcp_test::send_hello(fd);
+      auto h = header(eager(std::uint64_t{512} << 30), 1);
       tcp_test::raw_write(fd, h.data(), h.size());
       std::vector<std::byte> junk(4 << 20, std::byte{1});
       tcp_test::raw_write(fd, junk.data(), junk.size());
@@ -257,24 +472,28 @@ TEST_CASE("a flood of get requests is served within the reply slots and flow con
     tcp::endpoint ep = co_await std::move(acc);
     // 5000 requests for 1 MiB each, 5 GiB of replies, while the peer reads
     // nothing: the endpoint must not queue them all.
-    std::vector<std::byte> burst;
+    frame_stream burst(hello_header());
     for (std::uint32_t i = 0; i < 5000; ++i) {
       frame_header h;
       h.type = frame_type::get_request;
-      h.seq = i;
-      h.length = mem.size();
+      h.size = mem.size();
+      h.id = i + 1;
       h.addr = registration.describe().address();
       h.key = registration.key();
-      auto b = header(h);
-      burst.insert(burst.end(), b.begin(), b.end());
+      burst.add(h);
     }
-    REQUIRE(tcp_test::raw_write(fd, burst.data(), burst.size()));
+    // From another thread: 320 KB of requests may be more than the socket
+    // buffers hold while the endpoint has stopped reading.
+    std::thread writer([&] { (void)burst.write_to(fd); });
     co_await gdr::sleep_for(50ms);
     // Bounded by the reply slots (64) plus what the socket buffers absorbed:
-    // far from the 5000 asked for.
+    // far from the 5000 asked for. Reading paused meanwhile.
     CHECK(ep.stats().served_gets < 500);
+    CHECK(ep.stats().paused >= 1);
     CHECK(ep.is_open());
-    ::close(fd);
+    ::shutdown(fd, SHUT_RDWR);  // wakes the writer if it is blocked
+    writer.join();
+    ::close(fd);  // unread replies: a reset
     for (int i = 0; i < 2000 && ep.is_open(); ++i) co_await gdr::sleep_for(1ms);
     CHECK(ep.error() == gdr::errc::connection_lost);
     co_await ep.close();
@@ -292,10 +511,12 @@ TEST_CASE("end of stream in the middle of a header is a lost connection, not a h
     tcp::endpoint ep = co_await std::move(acc);
     std::array<std::byte, 8> in{};
     auto op = ep.recv(gdr::host_view(in));
-    auto h = header(data(8));
+    REQUIRE(tcp_test::send_hello(fd));
+    auto h = header(eager(8), 1);
     REQUIRE(tcp_test::raw_write(fd, h.data(), 20));  // half a header, then the peer is gone
     ::close(fd);
-    // Indistinguishable from a peer killed while writing: connection_lost.
+    // Indistinguishable from a peer killed while writing: connection_lost
+    // (no close frame, so not peer_closed).
     CHECK((co_await std::move(op).as_result()).error() == gdr::errc::connection_lost);
     co_await ep.close();
   }());

@@ -141,6 +141,13 @@ TEST_CASE("1000 senders and 1000 receivers on two threads deliver every message 
                 << left[0].stats().frames_out << " frames on connection 0");
   CHECK(received.load() == total);
   CHECK(bad_sum.load() == 0);
+  // Every message is small: eager, never announced.
+  for (int c = 0; c < connections; ++c) {
+    CHECK(left[c].stats().eager_sends == per_connection);
+    CHECK(left[c].stats().rendezvous_sends == 0);
+    CHECK(right[c].stats().recvs == per_connection);
+    CHECK(right[c].stats().failed == 0);
+  }
   std::uint64_t bad_order = 0, bad_conn = 0, incomplete = 0;
   for (int c = 0; c < connections; ++c) {
     std::vector<std::uint32_t> next(senders, 0);

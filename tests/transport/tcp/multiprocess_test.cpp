@@ -26,11 +26,12 @@ using clock_type = std::chrono::steady_clock;
 
 namespace {
 
-// Forks a child that reads a port from a pipe, connects to it, and runs
-// `body(endpoint&)` on its own scheduler; its exit status is 0 if `body`
-// returned true. The parent gets the pid and the pipe's write end.
+// Forks a child that reads a port from a pipe, connects to it (with
+// `opts`), and runs `body(endpoint&)` on its own scheduler, then closes the
+// endpoint in order; its exit status is 0 if `body` returned true. The
+// parent gets the pid and the pipe's write end.
 template <class Body>
-pid_t fork_peer(int& port_pipe, Body body) {
+pid_t fork_peer(int& port_pipe, Body body, tcp::endpoint_options opts = {}) {
   int p[2];
   REQUIRE(::pipe(p) == 0);
   pid_t pid = ::fork();
@@ -44,7 +45,7 @@ pid_t fork_peer(int& port_pipe, Body body) {
       gdr::scheduler s;
       gdr::memory_registry reg;
       gdr::sync_wait(s, [&]() -> gdr::task<> {
-        tcp::endpoint ep = co_await tcp::connect(s, tcp::address::loopback(port), {}, reg);
+        tcp::endpoint ep = co_await tcp::connect(s, tcp::address::loopback(port), {}, reg, opts);
         ok = co_await body(ep, reg);
         co_await ep.close();
       }());
@@ -117,9 +118,11 @@ TEST_CASE("a forked peer process exchanges messages and serves put and get") {
     CHECK((co_await ep.get(gdr::host_view(back), bad).as_result()).error() == gdr::errc::remote_access);
     std::array<std::byte, 0> none{};
     co_await ep.send(gdr::host_view(none));  // "done"
-    // The child closes: this side sees the close after everything it sent.
+    // The child closes in order: this side sees the close after everything
+    // it sent, as peer_closed (connection_lost is for a peer gone without
+    // a close frame).
     std::array<std::byte, 8> x{};
-    CHECK((co_await ep.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::connection_lost);
+    CHECK((co_await ep.recv(gdr::host_view(x)).as_result()).error() == gdr::errc::peer_closed);
     co_await ep.close();
   }());
   int status = wait_exit(pid);
@@ -130,11 +133,20 @@ TEST_CASE("a forked peer process exchanges messages and serves put and get") {
 TEST_CASE("a peer killed mid-stream fails every pending operation with connection_lost within 2 s, 100 times, in both run modes") {
   tcp_test::watchdog wd(300);
   constexpr int trials = 100;
+  constexpr int kinds = 5;
   std::mt19937 rng(12345);
   gdr::scheduler sched;
   int fds_before = tcp_test::open_fds();
   std::chrono::nanoseconds worst{0};
   int failures = 0;
+  // Messages of up to 8 MiB go eager on both sides, as every message did
+  // before the protocol layer: the child's 1 MiB messages stream into the
+  // parent's receives, and the parent's 4 MiB messages fill the child's
+  // store of early messages, which then stops reading, so that TCP flow
+  // control holds the parent's writer and the requests queued behind it.
+  // One 16 MiB send goes by rendezvous: announced, never received.
+  tcp::endpoint_options opts;
+  opts.protocol.rendezvous_threshold = 8 << 20;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     // A bystander pair on the same scheduler: it must keep working.
     auto xy_pair = co_await tcp_test::connected_pair(sched);
@@ -153,19 +165,20 @@ TEST_CASE("a peer killed mid-stream fails every pending operation with connectio
         // and requests pile up behind flow control.
         std::vector<std::byte> big(1 << 20, std::byte{0x42});
         for (;;) co_await ep.send(gdr::host_view(big));
-      });
-      tcp::listener l(sched, "127.0.0.1:0");
+      }, opts);
+      tcp::listener l(sched, "127.0.0.1:0", gdr::default_registry(), opts);
       send_port(pipe_w, l.local_address().port());
       tcp::endpoint ep = co_await l.accept({10s});
       std::array<std::byte, 40> wire{};
       co_await ep.recv(gdr::host_view(wire));
       auto window = gdr::remote_view<std::byte, gdr::Host>::from_wire(wire);
 
-      // Pending kinds: receives mid-payload, sends held by flow control, a
-      // get whose request the child never reads, a put likewise.
+      // Pending kinds: receives mid-payload, a rendezvous send announced and
+      // never matched, eager sends held by flow control, a get whose
+      // request the child never reads, a put likewise.
       int done = 0;
-      std::vector<std::error_code> last(4);
-      std::vector<clock_type::time_point> ended(4);
+      std::vector<std::error_code> last(kinds);
+      std::vector<clock_type::time_point> ended(kinds);
       tcp_test::spawn([&]() -> gdr::task<> {  // receiver: 4 MiB views, 1 MiB messages
         std::vector<std::byte> in(4 << 20);
         for (;;) {
@@ -174,33 +187,39 @@ TEST_CASE("a peer killed mid-stream fails every pending operation with connectio
         }
         ended[0] = clock_type::now();
       }, done);
-      tcp_test::spawn([&]() -> gdr::task<> {  // sender: 4 MiB messages nobody reads
+      tcp_test::spawn([&]() -> gdr::task<> {  // rendezvous: announced first, before the writer is held
+        std::vector<std::byte> out(16 << 20, std::byte{2});
+        auto r = co_await ep.send(gdr::host_view(out)).as_result();
+        last[1] = r ? std::error_code{} : r.error();
+        ended[1] = clock_type::now();
+      }, done);
+      tcp_test::spawn([&]() -> gdr::task<> {  // sender: 4 MiB eager messages nobody reads
         std::vector<std::byte> out(4 << 20, std::byte{1});
         for (;;) {
           auto r = co_await ep.send(gdr::host_view(out)).as_result();
-          if (!r) { last[1] = r.error(); break; }
+          if (!r) { last[2] = r.error(); break; }
         }
-        ended[1] = clock_type::now();
+        ended[2] = clock_type::now();
       }, done);
       tcp_test::spawn([&]() -> gdr::task<> {
         std::vector<std::byte> dst(64 << 10);
         auto r = co_await ep.get(gdr::host_view(dst), window->subview(0, dst.size())).as_result();
-        last[2] = r ? std::error_code{} : r.error();
-        ended[2] = clock_type::now();
+        last[3] = r ? std::error_code{} : r.error();
+        ended[3] = clock_type::now();
       }, done);
       tcp_test::spawn([&]() -> gdr::task<> {
         std::vector<std::byte> src(64 << 10, std::byte{3});
         auto r = co_await ep.put(gdr::host_view(src), window->subview(0, src.size())).as_result();
-        last[3] = r ? std::error_code{} : r.error();
-        ended[3] = clock_type::now();
+        last[4] = r ? std::error_code{} : r.error();
+        ended[4] = clock_type::now();
       }, done);
       co_await gdr::sleep_for(std::chrono::milliseconds(1 + rng() % 20));
-      CHECK(done == 0);  // all four still pending
+      CHECK(done == 0);  // all five still pending
       auto killed = clock_type::now();
       ::kill(pid, SIGKILL);
-      while (done < 4 && clock_type::now() - killed < 3s) co_await gdr::sleep_for(1ms);
-      CHECK(done == 4);  // no hang
-      for (int k = 0; k < 4; ++k) {
+      while (done < kinds && clock_type::now() - killed < 3s) co_await gdr::sleep_for(1ms);
+      CHECK(done == kinds);  // no hang
+      for (int k = 0; k < kinds; ++k) {
         CAPTURE(t);
         CAPTURE(k);
         if (last[k] != gdr::errc::connection_lost) ++failures;
@@ -228,4 +247,61 @@ TEST_CASE("a peer killed mid-stream fails every pending operation with connectio
   CHECK(failures == 0);
   CHECK(sched.inflight() == 0);
   CHECK(tcp_test::open_fds() == fds_before);
+}
+
+TEST_CASE("a peer that closes in order fails pending operations with peer_closed; a killed one with connection_lost") {
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched;
+  for (int round = 0; round < 6; ++round) {
+    const bool orderly = round % 2 == 0;
+    CAPTURE(orderly);
+    int pipe_w = -1;
+    // The child waits for a message of tag 1; then it returns (and
+    // fork_peer closes its endpoint in order), or, in the other rounds, it
+    // is SIGKILLed while it waits.
+    pid_t pid = fork_peer(pipe_w, [](tcp::endpoint& ep, gdr::memory_registry&) -> gdr::task<bool> {
+      std::array<char, 2> go{};
+      co_await ep.recv(gdr::host_view(go), gdr::tag{1});
+      co_return go[0] == 'g';
+    });
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      tcp::listener l(sched, "127.0.0.1:0");
+      send_port(pipe_w, l.local_address().port());
+      tcp::endpoint ep = co_await l.accept({10s});
+      // Pending on tag 0: a receive, and a rendezvous send the child never
+      // receives (announced).
+      int done = 0;
+      gdr::op_report got{}, sent{};
+      std::array<int, 4> in{};
+      std::vector<std::byte> out(1 << 20, std::byte{1});
+      tcp_test::start(ep.recv(gdr::host_view(in)), got, done);
+      tcp_test::start(ep.send(gdr::host_view(out)), sent, done);
+      co_await gdr::sleep_for(20ms);
+      CHECK(done == 0);
+      if (orderly) {
+        std::array<char, 2> go{'g', 'o'};
+        co_await ep.send(gdr::host_view(go), gdr::tag{1});
+      } else {
+        ::kill(pid, SIGKILL);
+      }
+      for (int i = 0; i < 3000 && done < 2; ++i) co_await gdr::sleep_for(1ms);
+      CHECK(done == 2);
+      const std::error_code expected = orderly ? gdr::errc::peer_closed : gdr::errc::connection_lost;
+      CHECK(got.error == expected);
+      CHECK(sent.error == expected);
+      CHECK(ep.error() == expected);
+      CHECK(!ep.is_open());
+      // Later operations fail the same way, at once.
+      CHECK((co_await ep.send(gdr::host_view(in)).as_result()).error() == expected);
+      co_await ep.close();
+    }());
+    int status = wait_exit(pid);
+    if (orderly) {
+      CHECK(WIFEXITED(status));
+      CHECK(WEXITSTATUS(status) == 0);
+    } else {
+      CHECK(WIFSIGNALED(status));
+    }
+  }
+  CHECK(sched.inflight() == 0);
 }

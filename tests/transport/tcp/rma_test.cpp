@@ -224,12 +224,17 @@ TEST_CASE("a get queued behind a send the peer does not read yet is withdrawn at
   gdr::memory_registry reg;
   std::vector<std::byte> mem(4096, std::byte{9});
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
+  // The blocker goes eager (threshold raised): a rendezvous send would only
+  // announce it, and nothing would wait behind it.
+  tcp::endpoint_options opts;
+  opts.protocol.rendezvous_threshold = 64 << 20;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg, opts);
     auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
     auto& b = ab_pair.second;
     // More than the socket buffers hold, and no receive posted: the send
-    // stays in flight, and the get request waits behind it.
+    // stays in flight (b stops reading: it is over unexpected_bytes), and
+    // the get request waits behind it.
     std::vector<std::byte> blocker(32 << 20, std::byte{1});
     int done = 0;
     tcp_test::spawn([&]() -> gdr::task<> { co_await a.send(gdr::host_view(blocker)); }, done);
@@ -264,14 +269,20 @@ TEST_CASE("a get cancelled while waiting for its reply completes at once and its
   gdr::memory_registry reg;
   std::vector<std::byte> mem(4 << 20, std::byte{9});
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
+  // Hold b's reader: an eager message larger than b keeps for early
+  // messages (unexpected_bytes) stops it while no receive is posted, so the
+  // get request behind it is sent but not served yet. (Before the protocol
+  // layer any large message did this; a rendezvous message no longer stops
+  // the reader, hence the raised threshold.)
+  tcp::endpoint_options opts;
+  opts.protocol.rendezvous_threshold = 1 << 20;
+  opts.protocol.unexpected_bytes = 64 << 10;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched, reg);
+    auto ab_pair = co_await connected_pair(sched, reg, opts);
     auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
     auto& b = ab_pair.second;
-    // Hold b's reader: a large message with no receive posted stops it, so
-    // the get request behind it is sent but not served yet.
     std::vector<std::byte> blocker(256 << 10, std::byte{1});
-    co_await a.send(gdr::host_view(blocker));  // fits in the socket buffers
+    co_await a.send(gdr::host_view(blocker));  // eager, fits in the socket buffers
     int done = 0;
     std::vector<std::byte> dst(mem.size(), std::byte{0});
     std::stop_source stop;
@@ -282,7 +293,9 @@ TEST_CASE("a get cancelled while waiting for its reply completes at once and its
     }, done);
     co_await gdr::sleep_for(std::chrono::milliseconds(20));
     CHECK(done == 0);
-    CHECK(a.stats().frames_out == 2);  // the request is out
+    CHECK(a.stats().frames_out == 3);  // hello, blocker, and the request is out
+    CHECK(b.stats().paused >= 1);
+    CHECK(b.stats().served_gets == 0);
     stop.request_stop();
     for (int i = 0; i < 100 && done < 1; ++i) co_await gdr::sleep_for(std::chrono::milliseconds(1));
     CHECK(done == 1);
@@ -303,4 +316,38 @@ TEST_CASE("a get cancelled while waiting for its reply completes at once and its
     co_await a.close();
     co_await b.close();
   }());
+}
+
+TEST_CASE("a put or get larger than the peer accepts fails alone with message_too_large") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::memory_registry reg;
+  std::vector<std::byte> mem(4 << 20, std::byte{9});
+  auto r = gdr::register_memory(reg, gdr::host_view(mem));
+  tcp::endpoint_options opts;
+  opts.protocol.max_message = 1 << 20;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto ab_pair = co_await connected_pair(sched, reg, opts);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
+    std::vector<std::byte> big((1 << 20) + 1, std::byte{1});
+    auto remote = r.describe().subview(0, big.size());
+    // A put over the peer's limit; a get over this side's own (its answer
+    // would be refused here).
+    CHECK((co_await a.put(gdr::host_view(big), remote).as_result()).error() == gdr::errc::message_too_large);
+    CHECK((co_await a.get(gdr::host_view(big), remote).as_result()).error() == gdr::errc::message_too_large);
+    CHECK(b.stats().served_puts == 0);
+    CHECK(b.stats().served_gets == 0);
+    CHECK(mem[0] == std::byte{9});  // nothing was written
+    // At the limit, both work; the endpoints are unharmed.
+    std::vector<std::byte> at(1 << 20, std::byte{2}), back(1 << 20);
+    CHECK(co_await a.put(gdr::host_view(at), r.describe().subview(0, at.size())) == at.size());
+    CHECK(co_await a.get(gdr::host_view(back), r.describe().subview(0, back.size())) == back.size());
+    CHECK(back == at);
+    CHECK(a.is_open());
+    CHECK(b.is_open());
+    co_await a.close();
+    co_await b.close();
+  }());
+  CHECK(mem[0] == std::byte{2});
 }
