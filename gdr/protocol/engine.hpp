@@ -849,7 +849,9 @@ class engine {
   /// Posts the close frame once nothing started before it is left to send.
   void maybe_post_close() noexcept {
     if (close_op_ == nullptr || close_posted_ || error_ || close_op_->result_set_) return;
-    if (!got_hello_ || !held_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
+    // Held sends wait for the peer's hello; the close frame itself needs
+    // none (this side's own hello is already ahead of it).
+    if (!held_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
     close_posted_ = true;
     op& o = *close_op_;
     o.f1_.hdr = header{};

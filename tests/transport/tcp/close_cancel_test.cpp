@@ -478,7 +478,7 @@ TEST_CASE("both ends closing at once both succeed") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   // The send goes eager (threshold raised), as it did before the protocol
-  // layer; a rendezvous send pending at close is the LIBRARY BUG case below.
+  // layer; a rendezvous send pending at close is the case below.
   tcp::endpoint_options opts;
   opts.protocol.rendezvous_threshold = 8 << 20;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -502,12 +502,8 @@ TEST_CASE("both ends closing at once both succeed") {
   CHECK(sched.inflight() == 0);
 }
 
-// LIBRARY BUG: close() started before the peer's hello has arrived fails the
-// sends already started (held until the hello) with errc::closed and sends
-// no close frame (engine::begin_close, "the peer never said hello"), so the
-// peer sees end of stream: connection_lost. gdr/protocol/endpoint.hpp says
-// close "waits for the operations already started that write (sends, puts,
-// gets) to go out, tells the peer".
+// A close started before the peer's hello arrived waits for it: the sends
+// held until then go out first, then the close frame.
 TEST_CASE("close started before the peer's hello arrived still flushes the sends already started and tells the peer") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
@@ -547,13 +543,10 @@ TEST_CASE("close started before the peer's hello arrived still flushes the sends
   CHECK(sched.inflight() == 0);
 }
 
-// LIBRARY BUG: close() does not wait for a rendezvous send already started
-// (announced, its receive not yet posted): once the close frame is written
-// the engine fails it with errc::closed (engine::on_sent, kind::close), and
-// the peer drops the announcement and fails its receive with peer_closed:
-// the message is lost although it was sent before the close. The contract
-// (gdr/protocol/endpoint.hpp, close) is to wait for the sends already
-// started to go out; the close's timeout bounds the wait.
+// A close waits for a rendezvous send already started (announced, its
+// receive not posted yet) until the peer's receive has taken it: the close
+// frame follows it (gdr/protocol/endpoint.hpp, close); the close's timeout
+// bounds the wait.
 TEST_CASE("close waits for a rendezvous send already started until the peer receives it") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
