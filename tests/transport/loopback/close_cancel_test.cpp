@@ -307,9 +307,15 @@ TEST_CASE("a timeout and a stop request racing on many receives each complete ex
     co_await gdr::sleep_for(1ms);
     src.request_stop();
     while (done < n) co_await gdr::nop();
+    // How many sends met a receive before the receives ran out depends on
+    // timing; none is lost: the rest were kept and are received now.
+    std::array<int, 1> x{};
+    for (int i = ok; i < 10; ++i) CHECK(co_await b.recv(gdr::host_view(x), gdr_test::timeout_opts(5s)) == sizeof x);
+    CHECK(co_await error_of(b.recv(gdr::host_view(x), gdr_test::timeout_opts(1ms))) == errc::timed_out);
   }());
   CHECK(failed == 0);
-  CHECK(ok == 10);
+  CHECK(ok >= 1);
+  CHECK(ok <= 10);
   CHECK(ok + cancelled + timed_out == n);
   CHECK(sched.inflight() == 0);
 }
