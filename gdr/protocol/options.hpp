@@ -41,10 +41,14 @@ constexpr const char* to_string(wire_protocol p) noexcept {
 struct protocol_options {
   /// Messages larger than this go by rendezvous: only an announcement
   /// travels until the receive is posted, then the bytes move straight into
-  /// it. Smaller ones are sent at once and kept by the receiver if early.
-  /// (The bandwidth-delay product of a datacenter link is about this size:
-  /// shared/PROTOCOL-LAYER.md, lesson 5; benchmarks/RESULTS.md.)
-  std::size_t rendezvous_threshold = 64 * 1024;
+  /// it. Smaller ones are sent at once, straight into a posted receive, or
+  /// kept by the receiver if early. A rendezvous costs one round trip more
+  /// when the receive is already posted; at 256 KiB that is about 25% of a
+  /// TCP ping-pong on loopback and at 2 MiB about 3%, while a stream with
+  /// several messages in flight hides it (benchmarks/RESULTS.md). Above the
+  /// bandwidth-delay product of a datacenter link (about 100 KiB,
+  /// shared/PROTOCOL-LAYER.md lesson 5) either way fills the link.
+  std::size_t rendezvous_threshold = 256 * 1024;
   /// The most bytes of early eager messages (no receive posted yet) kept per
   /// endpoint. Beyond it the endpoint stops reading until a receive is
   /// posted: back-pressure, never loss.
