@@ -14,7 +14,7 @@
 set -u
 old=$1 new=$2 out=$3 cpus=${4:-2,3}
 mkdir -p "$out"
-sizes=8,65536,262144,2097152,16777216,67108864
+sizes=8,262144,2097152,16777216,67108864
 run() {  # label binary mode sizes reps
   echo "=== $1 ($3, sizes $4)"
   "$2" --sizes "$4" --mode "$3" --cpus "$cpus" --no-external --bw-reps "$5" --csv "$out/$1_$3.csv" 2>/dev/null |
