@@ -22,8 +22,8 @@ constexpr std::size_t elements = 1 << 16;  // 512 KiB: large enough to bypass th
 gdr::task<bool> ring(gdr::scheduler& sched, gdr::bootstrap::mpi_rendezvous& rv) {
   gdr::bootstrap::mesh m = co_await gdr::bootstrap::connect_mesh(sched, rv);
   const int me = m.rank(), n = m.size();
-  gdr::tcp::endpoint& left = m.peer((me + n - 1) % n);
-  gdr::tcp::endpoint& right = m.peer((me + 1) % n);
+  gdr::endpoint& left = m.peer((me + n - 1) % n);
+  gdr::endpoint& right = m.peer((me + 1) % n);
   std::vector<std::uint64_t> buf(elements);
   auto view = gdr::host_view(buf);
   auto t0 = std::chrono::steady_clock::now();

@@ -94,7 +94,13 @@ struct mesh_options {
   tcp::endpoint_options endpoint{};
 };
 
-/// One connected TCP endpoint per other rank. Move-only.
+/// One connected endpoint per other rank. Move-only.
+///
+/// The endpoints are `gdr::endpoint`s: the transport to each peer is decided
+/// at run time (the bootstrap connects them over TCP; a mesh built some other
+/// way may mix transports, e.g. loopback to ranks in this process). Each
+/// moves what every transport moves (Host and Pinned memory) with the same
+/// operations and rules.
 ///
 /// Thread-safety: as its endpoints: use them on the scheduler's thread.
 class mesh {
@@ -102,7 +108,7 @@ class mesh {
   mesh() = default;
   /// A mesh of endpoints connected some other way: `peers[r]` leads to rank
   /// `r`; `peers[rank]` is unused.
-  mesh(int rank, std::vector<tcp::endpoint> peers) noexcept : rank_(rank), peers_(std::move(peers)) {}
+  mesh(int rank, std::vector<endpoint> peers) noexcept : rank_(rank), peers_(std::move(peers)) {}
   mesh(mesh&&) noexcept = default;
   mesh& operator=(mesh&&) noexcept = default;
 
@@ -110,11 +116,16 @@ class mesh {
   int size() const noexcept { return static_cast<int>(peers_.size()); }
 
   /// The endpoint to rank `r` (`r != rank()`).
-  tcp::endpoint& peer(int r) noexcept { return peers_[static_cast<std::size_t>(r)]; }
-  const tcp::endpoint& peer(int r) const noexcept { return peers_[static_cast<std::size_t>(r)]; }
+  endpoint& peer(int r) noexcept { return peers_[static_cast<std::size_t>(r)]; }
+  const endpoint& peer(int r) const noexcept { return peers_[static_cast<std::size_t>(r)]; }
 
-  /// Closes every endpoint in order (see `tcp::endpoint::close`), one after
+  /// Closes every endpoint in order (see `basic_endpoint::close`), one after
   /// the other; the first failure is rethrown after all were closed.
+  // A template, so that a translation unit that never closes a mesh does not
+  // compile this coroutine and everything it reaches (gcc emits every
+  // non-template inline coroutine where it is defined: about 0.4 s of
+  // `#include <gdr/gdr.hpp>`, benchmarks/compile_cost.sh).
+  template <class = void>
   task<> close() {
     std::error_code first;
     for (auto& ep : peers_) {
@@ -128,7 +139,7 @@ class mesh {
 
  private:
   int rank_ = 0;
-  std::vector<tcp::endpoint> peers_;  // peers_[rank_] is not connected
+  std::vector<endpoint> peers_;  // peers_[rank_] is not connected
 };
 
 namespace detail {
@@ -203,7 +214,7 @@ task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
   for (int r = 0; r < n && failure.empty(); ++r)
     if (addrs[static_cast<std::size_t>(r)].empty()) failure = "rank " + std::to_string(r) + " could not listen";
 
-  std::vector<tcp::endpoint> peers(static_cast<std::size_t>(n));
+  std::vector<endpoint> peers(static_cast<std::size_t>(n));
   auto hello_for = [&](int rank) {
     std::vector<std::byte> h(24);
     gdr::detail::store_le64(h.data(), detail::mesh_hello_magic);

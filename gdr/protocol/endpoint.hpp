@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -34,6 +35,8 @@
 #include <gdr/transport/path.hpp>
 
 namespace gdr {
+
+class endpoint;
 
 /// Awaitable of every endpoint operation: `co_await` gives the byte count
 /// (0 for close) or throws `gdr::error`; `co_await std::move(op).as_result()`
@@ -265,6 +268,9 @@ class basic_endpoint {
   }
   /// The scheduler whose thread runs this endpoint.
   scheduler& get_scheduler() const noexcept { return eng_->sched(); }
+  /// The peer as the transport names it ("10.0.0.2:4791" for TCP), for
+  /// messages and logs.
+  std::string peer_name() const { return eng_ ? eng_->peer_name() : std::string("(none)"); }
   /// The largest message the peer accepts (0 until its handshake arrived).
   std::uint64_t peer_max_message() const noexcept { return eng_ ? eng_->peer_max_message() : 0; }
 
@@ -275,6 +281,7 @@ class basic_endpoint {
  private:
   template <class>
   friend class basic_endpoint;
+  friend class endpoint;
 
   void reset() noexcept {
     if (eng_ != nullptr) std::exchange(eng_, nullptr)->abandon();

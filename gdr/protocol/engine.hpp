@@ -111,6 +111,7 @@
 #include <new>
 #include <optional>
 #include <stop_token>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -539,6 +540,13 @@ class engine {
   virtual transfer_path link_tx_path() const noexcept = 0;
   /// Frees the engine (the transport's object): `delete this`.
   virtual void destroy() noexcept = 0;
+
+ public:
+  /// The peer as this transport names it ("10.0.0.2:4791"), for messages
+  /// and logs.
+  virtual std::string peer_name() const = 0;
+
+ protected:
 
   // ---------------------------------------------------------------- transport events
 

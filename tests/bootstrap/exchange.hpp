@@ -49,14 +49,14 @@ inline gdr::op_options mesh_timeout() {
   return o;
 }
 
-inline gdr::task<> send_messages(gdr::tcp::endpoint& ep, int from, int to) {
+inline gdr::task<> send_messages(gdr::endpoint& ep, int from, int to) {
   for (int k = 0; k < mesh_messages; ++k) {
     std::vector<std::byte> m = mesh_message(from, to, k);
     co_await ep.send(gdr::view<const std::byte, gdr::Host>(m.data(), m.size()), mesh_timeout());
   }
 }
 
-inline gdr::task<> receive_messages(gdr::tcp::endpoint& ep, int from, int to, int& bad) {
+inline gdr::task<> receive_messages(gdr::endpoint& ep, int from, int to, int& bad) {
   std::vector<std::byte> in(1 << 20);
   for (int k = 0; k < mesh_messages; ++k) {
     std::size_t n = co_await ep.recv(gdr::view<std::byte, gdr::Host>(in.data(), in.size()), mesh_timeout());

@@ -44,6 +44,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <utility>
 
@@ -142,6 +143,11 @@ class end final : public proto::engine {
   int peer() const noexcept { return 1 - side_; }
 
   void destroy() noexcept override { delete this; }
+
+ public:
+  std::string peer_name() const override { return side_ == 0 ? "loopback end 1" : "loopback end 0"; }
+
+ private:
 
   // ---------------------------------------------------------------- the engine's hooks
 

@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include <gdr/error.hpp>
@@ -203,6 +204,14 @@ class connection final : public proto::engine {
   }
 
   void destroy() noexcept override { delete this; }
+
+ public:
+  std::string peer_name() const override {
+    result<gdr::tcp::address> a = sock_.remote_address();
+    return a ? a->to_string() : std::string("(closed)");
+  }
+
+ private:
 
   // ---------------------------------------------------------------- the engine's hooks
 

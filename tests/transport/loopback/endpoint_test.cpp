@@ -231,7 +231,7 @@ TEST_CASE("a small send behind an announced large one is matched in order and co
   auto ends = lb::make_pair(sched);
   lb::endpoint& a = ends.first;
   lb::endpoint& b = ends.second;
-  std::vector<char> big(200000, 'x'), small(10, 's'), in1(200000), in2(10);
+  std::vector<char> big(400000, 'x'), small(10, 's'), in1(400000), in2(10);  // big: over the rendezvous threshold
   std::vector<int> order;
   int done = 0, failed = 0;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
