@@ -117,7 +117,7 @@ gdr::task<> tcp(gdr::scheduler& sched) {
       co_await ep.recv(gdr::host_view(echo));
     }
     double us = ms_since(t0) * 1000.0 / rounds;
-    std::printf("5. tcp: %d echoes of 4 KiB with %s, %.1f us per round trip, last send path %s\n", rounds,
+    std::printf("5. tcp: %d echoes of 4 KiB with %s, %.1f us per round trip, last path %s\n", rounds,
                 where.c_str(), us, gdr::to_string(ep.last_path()));
 
     std::vector<std::uint32_t> mine(256);

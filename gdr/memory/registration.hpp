@@ -497,4 +497,19 @@ registration<T, S> register_memory(view<T, S> v, access a = access::read_write) 
   return default_registry().register_memory(v, a);
 }
 
+/// Registers all of `b` (a `gdr::buffer`, or anything with a `view()`) in
+/// the process-wide registry: `gdr::register_memory(buf)`.
+template <class B>
+  requires requires(B& b) { b.view(); }
+auto register_memory(B& b, access a = access::read_write) {
+  return default_registry().register_memory(b.view(), a);
+}
+
+/// Registers all of `b` in `reg`.
+template <class B>
+  requires requires(B& b) { b.view(); }
+auto register_memory(memory_registry& reg, B& b, access a = access::read_write) {
+  return reg.register_memory(b.view(), a);
+}
+
 }  // namespace gdr

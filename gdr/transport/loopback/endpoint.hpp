@@ -10,10 +10,12 @@
 ///   std::tie(a, b) = gdr::loopback::make_pair(sched);  // (clang 14 cannot capture structured bindings)
 ///   gdr::sync_wait(sched, [&]() -> gdr::task<> {
 ///     std::array<int, 4> out{1, 2, 3, 4}, in{};
-///     auto r = b.recv(gdr::host_view(in));              // posted first...
-///     co_await a.send(gdr::host_view(out));             // ...so this copies straight into `in`
-///     std::size_t n = co_await std::move(r);            // 16 bytes, path host_zero_copy
+///     co_await a.send(gdr::host_view(out));             // kept by b: no receive yet
+///     std::size_t n = co_await b.recv(gdr::host_view(in));  // 16 bytes, path host_eager
 ///   }());
+///
+/// (An operation starts when it is awaited, not when it is made: to have a
+/// receive posted before a send, await both, e.g. with `gdr::when_all`.)
 /// \endcode
 ///
 /// How bytes move (and how many copies that is)
