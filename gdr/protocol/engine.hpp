@@ -174,12 +174,30 @@ struct frame {
   bool in_flight = false;  ///< part of a write the kernel is doing now
   std::uint8_t where = 0;  ///< which of the transport's lists holds it
   std::uint32_t seq = 0;
-  alignas(8) std::byte encoded[64]{};
+  /// The transport's encoding of `hdr` (TCP: the wire header), written when
+  /// the frame is sealed. Deliberately not initialised: an operation holds
+  /// three frames, and zeroing them cost more than the rest of a small
+  /// send's bookkeeping.
+  alignas(8) std::byte encoded[64];
+
+  /// Makes the frame a fresh one of `owner` (no transport state, a zero
+  /// header), without touching `encoded`.
+  void reset(op* o) noexcept {
+    hdr = header{};
+    payload = nullptr;
+    owner = o;
+    slot = nullptr;
+    prev = next = nullptr;
+    written = 0;
+    queued = sealed = in_flight = false;
+    where = 0;
+    seq = 0;
+  }
 };
 
 /// A frame this side owes its peer (an answer), with what it holds.
 struct reply_slot {
-  frame f{};
+  frame f;
   access_lease lease{};  ///< a get's source memory, held until written
   reply_slot* next_free = nullptr;
 };
@@ -346,9 +364,9 @@ class op {
  private:
   op* ready_next_ = nullptr;
   std::coroutine_handle<> waiter_{};
-  frame f1_{};  // eager, rts, put/get request, rtr, close
-  frame f2_{};  // rendezvous data
-  frame f3_{};  // rts_cancel
+  frame f1_;  // eager, rts, put/get request, rtr, close
+  frame f2_;  // rendezvous data
+  frame f3_;  // rts_cancel
 
   // ---- cancellation (the callbacks may run on any thread) ----
   std::optional<std::stop_callback<canceller>> stop_user_{};
@@ -550,10 +568,12 @@ class engine {
 
   // ---------------------------------------------------------------- transport events
 
-  /// A header arrived (see the file comment). Must not change any state
-  /// when it pauses.
+  /// A header arrived (see the file comment). It must have passed
+  /// `valid(h, options().max_message)`: the transport checks what it reads
+  /// from the wire (TCP's `parse_frame` does) once, not here again. Must
+  /// not change any state when it pauses.
   rx_plan on_header(const header& h) noexcept {
-    if (!valid(h, opts_.max_message)) return fail_plan();
+    assert(valid(h, opts_.max_message) && "gdr protocol: the transport passed an unchecked header");
     if (!got_hello_ && h.type != msg::hello) return fail_plan();  // hello comes first
     switch (h.type) {
       case msg::hello: return rx_hello(h);
@@ -892,8 +912,7 @@ class engine {
         // The peer has (or will have) the rts: ask for it back.
         o.stop_reason_ = why;
         o.stage_ = op::stage::withdrawing;
-        o.f3_ = frame{};
-        o.f3_.owner = &o;
+        o.f3_.reset(&o);
         o.f3_.hdr.type = msg::rts_cancel;
         o.f3_.hdr.id = o.id_;
         link_post(o.f3_);
@@ -940,13 +959,8 @@ class engine {
   /// uses its memory.
   void try_finish(op& o) noexcept {
     if (!o.result_set_ || o.finished_ || o.placing_) return;
-    for (frame* f : {&o.f1_, &o.f2_, &o.f3_}) {
-      if (!f->queued) continue;
-      // An rtr is never withdrawn: the sender waits for it (the data it
-      // brings is dropped).
-      if (f->hdr.type == msg::rtr && !error_) return;
-      if (!link_withdraw(*f)) return;  // committed or being written: waits for on_sent
-      f->queued = false;
+    if (o.f1_.queued | o.f2_.queued | o.f3_.queued) {
+      if (!frames_released(o)) return;
     }
     if (o.kind_ == op::kind::close) {
       if (!link_quiet()) return;  // close() returns when the transport is quiet
@@ -954,6 +968,20 @@ class engine {
       link_release();
     }
     o.finish();
+  }
+
+  /// Takes `o`'s frames back from the transport where it allows. True when
+  /// none is left with it.
+  bool frames_released(op& o) noexcept {
+    for (frame* f : {&o.f1_, &o.f2_, &o.f3_}) {
+      if (!f->queued) continue;
+      // An rtr is never withdrawn: the sender waits for it (the data it
+      // brings is dropped).
+      if (f->hdr.type == msg::rtr && !error_) return false;
+      if (!link_withdraw(*f)) return false;  // committed or being written: waits for on_sent
+      f->queued = false;
+    }
+    return true;
   }
 
   void remember(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept {
@@ -1061,8 +1089,7 @@ class engine {
     r.stage_ = op::stage::awaiting;
     awaiting_data_.push_back(&r);
     frame& f = r.f1_;
-    f = frame{};
-    f.owner = &r;
+    f.reset(&r);
     f.hdr.type = msg::rtr;
     f.hdr.id = sid;
     f.hdr.size = accept;
@@ -1155,8 +1182,7 @@ class engine {
     s->stage_ = op::stage::sending;
     ++rendezvous_out_;
     frame& f = s->f2_;
-    f = frame{};
-    f.owner = s;
+    f.reset(s);
     f.hdr.type = msg::data;
     f.hdr.length = h.size;
     f.hdr.addr = h.addr;
@@ -1276,7 +1302,7 @@ class engine {
 
   void free_slot(reply_slot* s) noexcept {
     s->lease.release();
-    s->f = frame{};
+    s->f.reset(nullptr);
     s->f.slot = s;
     s->next_free = free_slots_;
     free_slots_ = s;
