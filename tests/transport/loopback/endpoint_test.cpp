@@ -1,6 +1,7 @@
 // gdr/transport/loopback/endpoint.hpp: messages on one scheduler.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <numeric>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include <gdr/coro/sync_wait.hpp>
+#include <gdr/memory/buffer.hpp>
 #include <gdr/sched/timer.hpp>
 #include <gdr/transport/loopback.hpp>
 
@@ -291,6 +293,25 @@ TEST_CASE("both directions of a pair work independently") {
     CHECK(rx == x);
     CHECK(ry == y);
   }());
+}
+
+// Buffers are taken where views are (a Pinned buffer's type needs no CUDA).
+static_assert(gdr::detail::proto::viewable<gdr::buffer<int, gdr::Pinned>&>);
+static_assert(gdr::detail::proto::viewable<const gdr::buffer<int, gdr::Pinned>&>);
+
+TEST_CASE("a buffer is sent and received where a view would be") {
+  gdr_test::watchdog wd(30);
+  gdr::scheduler sched;
+  auto ends = lb::make_pair(sched);
+  lb::endpoint& a = ends.first;
+  lb::endpoint& b = ends.second;
+  gdr::buffer<int, gdr::Host> out(64), in(64);
+  std::iota(out.begin(), out.end(), 1);
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    co_await a.send(out);
+    CHECK(co_await b.recv(in) == 64 * sizeof(int));
+  }());
+  CHECK(std::equal(out.begin(), out.end(), in.begin()));
 }
 
 TEST_CASE("pinned views travel like host views") {

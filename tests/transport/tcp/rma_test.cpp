@@ -351,3 +351,39 @@ TEST_CASE("a put or get larger than the peer accepts fails alone with message_to
   }());
   CHECK(mem[0] == std::byte{2});
 }
+
+TEST_CASE("revoking a registration while the peer's put is being written into it waits until the put is done") {
+  // The owner serves a 16 MiB put over many reads straight into the
+  // registered memory. Before leases, revoke() only erased the key: the
+  // caller could free the buffer while the kernel still wrote into it.
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::memory_registry reg;
+  constexpr std::size_t size = std::size_t{16} << 20;
+  std::vector<std::byte> target(size, std::byte{0}), src(size, std::byte{0x7});
+  auto r = reg.register_memory(gdr::host_view(target));
+  const auto rv = r.describe();
+  int done = 0;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto ab_pair = co_await connected_pair(sched, reg);
+    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+    auto& b = ab_pair.second;
+    gdr::result<std::size_t> put = gdr::errc::busy;
+    tcp_test::spawn([&]() -> gdr::task<> { put = co_await a.put(gdr::host_view(std::as_const(src)), rv).as_result(); },
+                    done);
+    // Wait until b's reader has started reading the payload into `target`.
+    while (b.stats().direct_reads == 0 && done == 0) co_await gdr::sleep_for(std::chrono::microseconds(50));
+    REQUIRE(b.stats().served_puts == 0);  // the access is in flight
+    co_await r.revoke();
+    // The revoke resumed only once the access had ended.
+    CHECK(b.stats().served_puts == 1);
+    CHECK(std::all_of(target.begin(), target.end(), [](std::byte x) { return x == std::byte{0x7}; }));
+    while (done == 0) co_await gdr::sleep_for(std::chrono::milliseconds(1));
+    CHECK(put.has_value());
+    // Revoked: a new access is refused.
+    gdr::result<std::size_t> late = co_await a.put(gdr::host_view(std::as_const(src)).first(16), rv.subview(0, 16)).as_result();
+    CHECK(late.error() == gdr::errc::remote_access);
+    co_await a.close();
+  }());
+  sched.drain();
+}
