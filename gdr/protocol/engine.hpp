@@ -120,6 +120,7 @@
 #include <gdr/memory/registration.hpp>
 #include <gdr/protocol/message.hpp>
 #include <gdr/protocol/options.hpp>
+#include <gdr/sched/cancellable.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transport/common.hpp>
@@ -235,7 +236,7 @@ struct rx_plan {
 /// once the transport no longer uses its memory; `finish` waits for the
 /// op's timer CQE and a posted cancellation, if any, then puts it on the
 /// engine's ready list, which resumes it.
-class op {
+class op : private gdr::detail::cancellable<op> {
  public:
   enum class kind : std::uint8_t { send, recv, put, get, close };
 
@@ -249,7 +250,8 @@ class op {
 
   // Movable only before it is awaited (it is then only its parameters).
   op(op&& o) noexcept
-      : eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
+      : cancellable<op>(std::move(o)),
+        eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
         rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_) {}
   op& operator=(op&&) = delete;
 
@@ -309,25 +311,18 @@ class op {
     awaiting,     // recv: rtr sent, waiting for data; put/get: waiting for the answer
   };
 
-  struct canceller {
-    op* self;
-    void operator()() const noexcept { self->on_stop_requested(); }
-  };
-  struct cancel_node : remote_work {
-    op* self = nullptr;
-  };
-  struct timer_node : operation {
-    op* self = nullptr;
-  };
+  friend class gdr::detail::cancellable<op>;
+
+  // The stop and timeout mechanism's hooks (gdr/sched/cancellable.hpp).
+  inline scheduler& cancel_scheduler() const noexcept;
+  inline void on_stop(std::error_code why) noexcept;
+  inline void on_settled() noexcept;
+  template <class F>
+  inline void in_event(F&& f) noexcept;
 
   [[noreturn]] void throw_error() const;
   inline bool start(std::coroutine_handle<> h, std::stop_token coro_stop) noexcept;
-  inline void on_stop_requested() noexcept;
-  inline static void on_cancel_node(remote_work* w) noexcept;
-  inline static void on_timer(operation* op, int res, std::uint32_t flags) noexcept;
-  inline bool arm_timer() noexcept;
   inline void finish() noexcept;
-  inline void release() noexcept;
 
   // ---- parameters ----
   engine* eng_;
@@ -345,10 +340,6 @@ class op {
   bool result_set_ = false;  // the outcome is decided
   bool finished_ = false;    // finish() ran
   bool placing_ = false;     // the transport is placing a payload into data_
-  bool timer_armed_ = false;
-  bool timer_fired_ = false;
-  bool cancel_ran_ = false;
-  int pending_ = 0;  // events to come before resumption: the result, the timer, a posted cancel
   std::error_code ec_{};
   std::error_code stop_reason_{};  // a stop that waits for an rts_withdrawn or a commit
   std::size_t bytes_ = 0;
@@ -368,14 +359,6 @@ class op {
   frame f2_;  // rendezvous data
   frame f3_;  // rts_cancel
 
-  // ---- cancellation (the callbacks may run on any thread) ----
-  std::optional<std::stop_callback<canceller>> stop_user_{};
-  std::optional<std::stop_callback<canceller>> stop_coro_{};
-  std::atomic<bool> cancel_posted_{false};
-  std::error_code cancel_reason_{errc::cancelled};  // what the posted cancellation reports
-  cancel_node cancel_{};
-  timer_node timer_{};
-  __kernel_timespec ts_{};
 };
 
 using op_list = fifo<op, &op::prev_, &op::next_>;
@@ -1403,10 +1386,9 @@ inline bool op::start(std::coroutine_handle<> h, std::stop_token coro_stop) noex
   // Counted as pending before it starts: whatever completes it, even during
   // begin(), resumes it through the loop, never from inside this call (no
   // event handler is running: begin() does not call leave()).
-  pending_ = 1;
+  prime();
   eng_->note_attached();
   if (!eng_->begin(*this)) {
-    pending_ = 0;
     eng_->note_detached();
     result_set_ = true;
     finished_ = true;
@@ -1415,87 +1397,28 @@ inline bool op::start(std::coroutine_handle<> h, std::stop_token coro_stop) noex
     return false;
   }
   if (finished_) return true;  // completed during begin(): resumes from the loop
-  cancel_.self = this;
-  cancel_.run = &on_cancel_node;
-  if (opts_.timeout.count() > 0 && !arm_timer()) {
-    // No SQE for the timer (the SQ is full even after submitting): give up
-    // through the loop, like a cancellation.
-    cancel_reason_ = errc::busy;
-    on_stop_requested();
-  }
-  if (opts_.stop.stop_possible()) stop_user_.emplace(opts_.stop, canceller{this});
-  if (coro_stop.stop_possible()) stop_coro_.emplace(std::move(coro_stop), canceller{this});
+  arm(opts_.stop, std::move(coro_stop), opts_.timeout);
   return true;
 }
 
-inline bool op::arm_timer() noexcept {
-  scheduler& s = eng_->sched();
-  io_uring_sqe* sqe = s.get_sqe();
-  if (sqe == nullptr) return false;
-  auto d = opts_.timeout;
-  ts_.tv_sec = static_cast<long long>(d.count() / 1'000'000'000);
-  ts_.tv_nsec = static_cast<long long>(d.count() % 1'000'000'000);
-  timer_.self = this;
-  timer_.complete = &on_timer;
-  io_uring_prep_timeout(sqe, &ts_, 0, 0);
-  io_uring_sqe_set_data(sqe, static_cast<operation*>(&timer_));
-  s.note_submitted();
-  timer_armed_ = true;
-  ++pending_;
-  return true;
-}
+inline scheduler& op::cancel_scheduler() const noexcept { return eng_->sched(); }
 
-// Any thread (a stop callback). Only posts: the loop's thread does the rest.
-inline void op::on_stop_requested() noexcept {
-  if (!cancel_posted_.exchange(true, std::memory_order_acq_rel)) eng_->sched().post(&cancel_);
-}
+inline void op::on_stop(std::error_code why) noexcept { eng_->cancel(*this, why); }
 
-inline void op::on_cancel_node(remote_work* w) noexcept {
-  op* o = static_cast<cancel_node*>(w)->self;
-  engine* e = o->eng_;
+inline void op::on_settled() noexcept { eng_->push_ready(*this); }
+
+template <class F>
+inline void op::in_event(F&& f) noexcept {
+  engine* e = eng_;
   e->enter();
-  o->cancel_ran_ = true;
-  if (o->finished_) {
-    o->release();  // finish() waited for this node
-  } else {
-    e->cancel(*o, o->cancel_reason_);
-  }
-  e->leave();
-}
-
-inline void op::on_timer(operation* t, int res, std::uint32_t) noexcept {
-  op* o = static_cast<timer_node*>(t)->self;
-  engine* e = o->eng_;
-  e->enter();
-  o->timer_fired_ = true;
-  // -ETIME: the timeout expired. -ECANCELED: finish() removed it.
-  if (res == -ETIME && !o->result_set_) e->cancel(*o, errc::timed_out);
-  o->release();
-  e->leave();
+  f();
+  e->leave();  // may resume this operation's coroutine, which may end it
 }
 
 inline void op::finish() noexcept {
   finished_ = true;
-  // Destroying a stop callback waits for one running on another thread;
-  // after this, no callback can post the cancel node any more.
-  stop_user_.reset();
-  stop_coro_.reset();
-  if (cancel_posted_.load(std::memory_order_acquire) && !cancel_ran_) ++pending_;  // its node lives here
-  if (timer_armed_ && !timer_fired_) {
-    // Remove the timer; its CQE (-ECANCELED) still comes and is waited for,
-    // because the timer lives in this frame. Without a free SQE it simply
-    // expires on its own, within the timeout.
-    if (io_uring_sqe* sqe = eng_->sched().get_sqe()) {
-      io_uring_prep_timeout_remove(sqe, timer_.user_data(), 0);
-      io_uring_sqe_set_data64(sqe, gdr::detail::ignore_tag);
-    }
-  }
   eng_->record(*this);
-  release();
-}
-
-inline void op::release() noexcept {
-  if (--pending_ == 0) eng_->push_ready(*this);
+  settle();
 }
 
 }  // namespace gdr::detail::proto
