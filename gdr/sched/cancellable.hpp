@@ -58,7 +58,16 @@ class cancellable {
   /// The operation is pending. Registers the stop callbacks and submits the
   /// timer (`timeout` zero: none). Call once, on the loop's thread, after
   /// `prime()`, unless the operation settled already.
-  void arm(const std::stop_token& user, std::stop_token coro, std::chrono::nanoseconds timeout) noexcept {
+  void arm(const std::stop_token& user, std::stop_token&& coro, std::chrono::nanoseconds timeout) noexcept {
+    // Most operations have neither a stoppable token nor a timeout: nothing
+    // to set up then (this is on every small message's path).
+    if (timeout.count() <= 0 && !user.stop_possible() && !coro.stop_possible()) return;
+    arm_slow(user, std::move(coro), timeout);
+  }
+
+ private:
+  [[gnu::noinline]] void arm_slow(const std::stop_token& user, std::stop_token&& coro,
+                                  std::chrono::nanoseconds timeout) noexcept {
     node_.self = this;
     node_.run = &on_node;
     if (timeout.count() > 0 && !arm_timer(timeout)) {
@@ -70,6 +79,8 @@ class cancellable {
     if (user.stop_possible()) stop_user_.emplace(user, canceller{this});
     if (coro.stop_possible()) stop_coro_.emplace(std::move(coro), canceller{this});
   }
+
+ protected:
 
   /// The outcome is final and no kernel request uses the operation's memory:
   /// `on_settled()` follows once the timer and a posted stop are done with
