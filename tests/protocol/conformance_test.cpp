@@ -520,3 +520,35 @@ TEST_CASE_TEMPLATE("every successful operation is recorded with the path and pro
       },
       small_threshold(1024), small_threshold(1024));
 }
+
+TEST_CASE_TEMPLATE("a peer that goes away in the middle of a large transfer fails the receive, never hangs it", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    // 64 MiB by rendezvous; the sender's endpoint is destroyed while the
+    // receive is under way (or, on a fast transport, just after it
+    // finished). Either the receive completed whole, or it fails with
+    // connection_lost, in bounded time; nothing else.
+    auto big = pattern(64u << 20, 3);
+    std::vector<std::byte> in(big.size());
+    auto t0 = std::chrono::steady_clock::now();
+    auto [r, s, x] = co_await gdr::when_all(
+        report_of(b.recv(bytes_of(in))), report_of(a.send(cbytes_of(big))), [&]() -> gdr::task<int> {
+          // 64 MiB takes TCP on loopback several milliseconds: 2 ms in, the
+          // data is usually on its way.
+          co_await gdr::sleep_for(2ms);
+          a = {};  // aborted, usually mid-transfer
+          co_return 0;
+        }());
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+    if (!r.error) {
+      CHECK(r.bytes == big.size());
+      CHECK(in == big);
+    } else {
+      CHECK(r.error == gdr::errc::connection_lost);
+    }
+    CHECK((!s.error || s.error == gdr::errc::closed));
+    // b learns that its peer went away, in bounded time, whatever it was doing.
+    CHECK(co_await conformance::eventually(b.get_scheduler(), [&] { return b.error() == gdr::errc::connection_lost; }));
+    co_await b.close();
+  });
+}
