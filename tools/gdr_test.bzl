@@ -23,12 +23,14 @@ _DOCTEST = [
     str(Label("//tests/support:doctest_main")),
     str(Label("//tests/support:skip")),
     str(Label("//tests/support:watchdog")),
+    str(Label("//tests/support:capture_stderr")),
     str(Label("@system_doctest//:doctest")),
 ]
 
 def gdr_test(name, srcs, deps = [], size = "small", tags = [], data = [], env = {}, copts = [], **kwargs):
     """A doctest cc_test: links doctest's main; "tests/support/skip.hpp"
-    (GDR_SKIP) and "tests/support/watchdog.hpp" are available.
+    (GDR_SKIP), "tests/support/watchdog.hpp" and
+    "tests/support/capture_stderr.hpp" are available.
 
     Tag tests that need hardware or run long, so they can be filtered with
     --test_tag_filters: "gpu", "rdma", "multi_gpu", "long".

@@ -25,6 +25,7 @@
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/sched/timer.hpp>
 
+#include "tests/support/capture_stderr.hpp"
 #include "tests/support/watchdog.hpp"
 
 using gdr::access;
@@ -43,25 +44,7 @@ bool denied(const gdr::result<std::byte*>& r) { return !r && r.error() == errc::
 
 std::uint64_t address_of(const std::vector<std::byte>& mem) { return reinterpret_cast<std::uint64_t>(mem.data()); }
 
-// Everything written to stderr (fd 2) while `f` runs.
-template <class F>
-std::string capture_stderr(F&& f) {
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  std::fflush(stderr);
-  const int saved = ::dup(2);
-  ::dup2(fds[1], 2);
-  f();
-  std::fflush(stderr);
-  ::dup2(saved, 2);
-  ::close(saved);
-  ::close(fds[1]);
-  std::string out;
-  char buf[512];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-  ::close(fds[0]);
-  return out;
-}
+using gdr_test_support::capture_stderr;
 
 // Awaits the revocation `w` stands for, then says so. A named coroutine, not
 // a capturing lambda: its references live in its frame.

@@ -17,6 +17,7 @@
 #include <gdr/transport/loopback.hpp>
 #include <gdr/transport/path.hpp>
 #include <gdr/transport/tcp.hpp>
+#include "tests/support/capture_stderr.hpp"
 
 using gdr::AnySpace;
 using gdr::Device;
@@ -181,25 +182,7 @@ struct counting_probe {
   }
 };
 
-// Everything written to stderr (fd 2) while `f` runs.
-template <class F>
-std::string capture_stderr(F&& f) {
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  std::fflush(stderr);
-  const int saved = ::dup(2);
-  ::dup2(fds[1], 2);
-  f();
-  std::fflush(stderr);
-  ::dup2(saved, 2);
-  ::close(saved);
-  ::close(fds[1]);
-  std::string out;
-  char buf[512];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-  ::close(fds[0]);
-  return out;
-}
+using gdr_test_support::capture_stderr;
 
 }  // namespace
 
