@@ -287,7 +287,6 @@ class end final : public proto::engine {
         if (p().peer_gone[side_]) {
           p().peer_gone[side_] = false;
           p().rx_posted[side_] = false;
-          lost_ = true;
         } else if (shut_ || paused_ || in.empty()) {
           p().rx_posted[side_] = false;
           break;
@@ -360,7 +359,6 @@ class end final : public proto::engine {
   node done_node_{};
   bool paused_ = false;  // guarded by the pair's mutex
   bool shut_ = false;    // guarded by the pair's mutex
-  bool lost_ = false;
 };
 
 }  // namespace detail::lb

@@ -188,6 +188,8 @@ class connection final : public proto::engine {
   struct kick_node : remote_work {
     connection* self = nullptr;
   };
+  /// Which list holds a posted frame (`frame::where`).
+  enum where_t : std::uint8_t { nowhere = 0, in_tx = 1, in_dropped = 2 };
   /// Where the reader is putting the current payload.
   struct rx_target {
     bool active = false;
@@ -224,10 +226,11 @@ class connection final : public proto::engine {
       // Nothing will be written: hand it back from the loop, not from
       // inside the caller (an operation must not complete before it waits).
       f.queued = true;
-      dropped_.push_back(&f);
+      drop(f);
       kick();
       return;
     }
+    f.where = in_tx;
     tx_.push_back(&f);
     if (direct_writes() && in_handler()) {
       // Posted inside an event handler: written by a system call at its end
@@ -243,11 +246,8 @@ class connection final : public proto::engine {
   bool link_withdraw(frame& f) noexcept override {
     if (!f.queued || f.in_flight) return false;
     if (f.sealed && !failed()) return false;
-    if (is_dropped(f)) {
-      dropped_.erase(&f);
-    } else {
-      tx_.erase(&f);
-    }
+    (f.where == in_dropped ? dropped_ : tx_).erase(&f);
+    f.where = nowhere;
     f.queued = false;
     return true;
   }
@@ -285,7 +285,7 @@ class connection final : public proto::engine {
       frame* next = f->next;
       if (!f->in_flight) {
         tx_.erase(f);
-        dropped_.push_back(f);
+        drop(*f);
       }
       f = next;
     }
@@ -337,15 +337,18 @@ class connection final : public proto::engine {
     on_link_failed(errc::protocol_error);
   }
 
-  bool is_dropped(const frame& f) const noexcept {
-    for (const frame* d = dropped_.head; d != nullptr; d = d->next)
-      if (d == &f) return true;
-    return false;
+  /// `f` will never be written: it goes back through return_dropped().
+  void drop(frame& f) noexcept {
+    f.where = in_dropped;
+    dropped_.push_back(&f);
   }
 
   /// Hands back the frames that will never be written (after a failure).
   void return_dropped() noexcept {
-    while (frame* f = dropped_.pop_front()) on_sent(*f, error());
+    while (frame* f = dropped_.pop_front()) {
+      f->where = nowhere;
+      on_sent(*f, error());
+    }
   }
 
   // ---------------------------------------------------------------- writer
@@ -487,11 +490,13 @@ class connection final : public proto::engine {
       left -= take;
       if (f->written == frame_total(*f)) {
         tx_.erase(f);
+        f->where = nowhere;
         ++stats_.frames_out;
         on_sent(*f, {});
       } else if (failed()) {
         // Failed while it was in the write: it will never go out.
         tx_.erase(f);
+        f->where = nowhere;
         on_sent(*f, error());
       }
       f = next;
