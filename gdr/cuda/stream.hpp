@@ -21,6 +21,8 @@
 
 #include <utility>
 
+#include <gdr/transport/common.hpp>
+
 namespace gdr::cuda {
 
 /// An owning CUDA stream on a device. See the file comment.
@@ -96,5 +98,11 @@ class stream {
   cudaStream_t s_ = nullptr;
   int device_ = 0;
 };
+
+/// Orders an operation after the work already queued on `s` (see
+/// `op_options::after`): `co_await ep.send(dev, gdr::cuda::after(s))`.
+inline stream_order after(const stream& s) noexcept { return {s.get(), s.device()}; }
+/// The same for a raw CUDA stream of GPU `device`.
+inline stream_order after(cudaStream_t s, int device) noexcept { return {s, device}; }
 
 }  // namespace gdr::cuda

@@ -37,6 +37,18 @@ constexpr const char* to_string(wire_protocol p) noexcept {
   return "?";
 }
 
+/// Tuning of an endpoint's staged path (`protocol_options::staging`).
+struct staging_options {
+  /// Bytes per chunk: one device-to-host or host-to-device copy, one bounce
+  /// buffer, and the largest frame payload this side takes into staged
+  /// memory (told to the peer in the handshake).
+  std::size_t chunk = std::size_t{1} << 20;
+  /// Bounce buffers per direction per endpoint: how many chunks may be in
+  /// flight at once (copying or on the wire). Allocated (pinned) once, at the
+  /// endpoint's first staged operation of that direction, and reused.
+  std::size_t depth = 4;
+};
+
 /// Tuning of the protocol layer of one endpoint (every transport).
 struct protocol_options {
   /// Messages larger than this go by rendezvous: only an announcement
@@ -69,6 +81,8 @@ struct protocol_options {
   /// (`errc::unsupported`), it is never downgraded. `GDR_LOG=path` prints
   /// each decision.
   force_path force = force_path::automatic;
+  /// The staged path of `Device` memory (`gdr/protocol/staging.hpp`).
+  staging_options staging{};
 };
 
 /// Counters of one endpoint's protocol layer, updated on its scheduler's

@@ -47,10 +47,11 @@ class poller {
 /// scheduler, and sched/ includes none of those layers.
 enum class poller_kind : unsigned char {
   cuda_events,  ///< `gdr::cuda::event_poller`
+  copy_engine,  ///< `gdr::copy_engine` of the staged path (CUDA's is the event poller)
 };
 
 namespace detail {
-inline constexpr std::size_t poller_kind_count = 1;  // enumerators of poller_kind
+inline constexpr std::size_t poller_kind_count = 2;  // enumerators of poller_kind
 }  // namespace detail
 
 /// A poller type that has a slot in its scheduler: it derives from `poller`

@@ -18,7 +18,21 @@
 #include <gdr/memory/access.hpp>
 #include <gdr/memory/space.hpp>
 
+// CUDA's stream type (`cudaStream_t` is `CUstream_st*`), named here so that
+// options can carry a stream without this header needing CUDA.
+struct CUstream_st;
+
 namespace gdr {
+
+/// A CUDA stream an operation is ordered after (`op_options::after`): the
+/// operation's device copies wait for the work already queued on `stream`
+/// (a producer kernel) without a host synchronize. Made by
+/// `gdr::cuda::after(stream)`. Empty: no ordering.
+struct stream_order {
+  CUstream_st* stream = nullptr;
+  int device = -1;  ///< the stream's GPU
+  explicit operator bool() const noexcept { return stream != nullptr; }
+};
 
 /// Options every transport operation accepts.
 ///
@@ -31,6 +45,13 @@ namespace gdr {
 ///   co_await ep.recv(v, {src.get_token()});         // a stop token
 ///   co_await ep.recv(v, {50ms});                    // a timeout
 ///   co_await ep.recv(v, {src.get_token(), 50ms});   // both
+///   co_await ep.send(dev, gdr::cuda::after(s));     // ordered after work on stream s
+///
+/// `after` (staged `Device` operations): the operation's device-to-host and
+/// host-to-device copies are queued after the work already on that stream,
+/// and the coroutine still resumes only when the transfer is done. A send
+/// after a producer kernel needs no synchronize; a receive into a buffer a
+/// consumer kernel still reads waits for that kernel on the GPU.
 ///
 /// Deliberately not an aggregate (no `{.timeout = 50ms}`): GCC 12 destroys
 /// the members of an aggregate temporary twice when it is brace-initialized
@@ -40,6 +61,7 @@ namespace gdr {
 struct op_options {
   std::stop_token stop{};
   std::chrono::nanoseconds timeout{0};
+  stream_order after{};
 
   op_options() noexcept = default;
   op_options(std::stop_token st) noexcept : stop(std::move(st)) {}  // NOLINT: implicit by design
@@ -49,6 +71,11 @@ struct op_options {
   template <class Rep, class Period>
   op_options(std::stop_token st, std::chrono::duration<Rep, Period> t) noexcept
       : stop(std::move(st)), timeout(std::chrono::duration_cast<std::chrono::nanoseconds>(t)) {}
+  op_options(stream_order a) noexcept : after(a) {}  // NOLINT: implicit by design
+  template <class Rep, class Period>
+  op_options(stream_order a, std::chrono::duration<Rep, Period> t) noexcept
+      : timeout(std::chrono::duration_cast<std::chrono::nanoseconds>(t)), after(a) {}
+  op_options(std::stop_token st, stream_order a) noexcept : stop(std::move(st)), after(a) {}
 };
 static_assert(!std::is_aggregate_v<op_options>, "see the GCC 12 note above");
 
