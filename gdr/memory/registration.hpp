@@ -91,8 +91,8 @@ namespace detail {
 /// in a `std::map` node, which moves from the live table to the draining
 /// table by node handle when revoked with leases out.
 struct registration_record {
-  registration_record(std::uintptr_t b, std::size_t n, access p, bool host, std::uint64_t k) noexcept
-      : base(b), bytes(n), perm(p), host_accessible(host), key(k) {}
+  registration_record(std::uintptr_t b, std::size_t n, access p, bool host, std::uint64_t k, int dev = -1) noexcept
+      : base(b), bytes(n), perm(p), host_accessible(host), key(k), device(dev) {}
   registration_record(const registration_record&) = delete;
   registration_record& operator=(const registration_record&) = delete;
 
@@ -101,6 +101,7 @@ struct registration_record {
   access perm;
   bool host_accessible;  // space_traits<S>::host_accessible of the registered view
   std::uint64_t key;
+  int device;  // the GPU ordinal of a Device registration, else -1
   /// (leases << 1) | revoked. One word, so that exactly one party sees the
   /// moment "revoked and no lease left": `revoke`, if no lease was out, or
   /// else the release of the last lease. That party finishes the revocation.
@@ -127,7 +128,7 @@ class access_lease {
   access_lease() noexcept = default;
   access_lease(access_lease&& o) noexcept
       : reg_(std::exchange(o.reg_, nullptr)), rec_(std::exchange(o.rec_, nullptr)),
-        data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+        data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), device_(o.device_) {}
   access_lease& operator=(access_lease&& o) noexcept {
     if (this != &o) {
       release();
@@ -135,6 +136,7 @@ class access_lease {
       rec_ = std::exchange(o.rec_, nullptr);
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
+      device_ = o.device_;
     }
     return *this;
   }
@@ -146,6 +148,10 @@ class access_lease {
   std::byte* data() const noexcept { return data_; }
   /// The bytes of the access (the length `acquire` checked).
   std::size_t size() const noexcept { return size_; }
+  /// The memory is a `Device` registration on GPU `device()` (the host must
+  /// not touch it: a transport stages it through its copy engine).
+  bool on_device() const noexcept { return device_ >= 0; }
+  int device() const noexcept { return device_; }
   /// Holds an access (not moved from, not released).
   explicit operator bool() const noexcept { return rec_ != nullptr; }
 
@@ -157,12 +163,14 @@ class access_lease {
 
  private:
   friend class memory_registry;
-  access_lease(memory_registry* reg, detail::registration_record* rec, std::byte* data, std::size_t size) noexcept
-      : reg_(reg), rec_(rec), data_(data), size_(size) {}
+  access_lease(memory_registry* reg, detail::registration_record* rec, std::byte* data, std::size_t size,
+               int device) noexcept
+      : reg_(reg), rec_(rec), data_(data), size_(size), device_(device) {}
   memory_registry* reg_ = nullptr;
   detail::registration_record* rec_ = nullptr;
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
+  int device_ = -1;
 };
 
 /// What `revoke()` returns: the revocation has happened (new accesses are
@@ -288,7 +296,7 @@ class memory_registry {
         throw error(errno_code(errno), "gdr::register_memory: getrandom");
     } while (key == 0 || live_.contains(key) || draining_.contains(key));
     live_.try_emplace(key, reinterpret_cast<std::uintptr_t>(v.data()), v.size_bytes(), a,
-                      space_traits<S>::host_accessible, key);
+                      space_traits<S>::host_accessible, key, space_traits<S>::on_device ? v.device() : -1);
     return registration<T, S>(this, v, key);
   }
 
@@ -296,16 +304,19 @@ class memory_registry {
   /// the start of serving it: `[addr, addr + len)` must lie inside the live
   /// registration `key`, which must allow `a` and be memory the host may
   /// dereference. Returns a lease on the bytes (hold it until the last byte
-  /// is read or written), or `errc::remote_access`.
-  result<access_lease> acquire(std::uint64_t addr, std::size_t len, std::uint64_t key, access a) noexcept {
+  /// is read or written), or `errc::remote_access`. `staged`: the caller
+  /// can also serve `Device` memory (through a copy engine; the lease says
+  /// `on_device()`) instead of refusing it.
+  result<access_lease> acquire(std::uint64_t addr, std::size_t len, std::uint64_t key, access a,
+                               bool staged = false) noexcept {
     std::shared_lock lock(mu_);
-    detail::registration_record* r = find_checked(addr, len, key, a);
+    detail::registration_record* r = find_checked(addr, len, key, a, staged);
     if (r == nullptr) return errc::remote_access;
     // Relaxed is enough: a revoke reads the count under the exclusive lock,
     // which orders it after this shared section; the release that ends the
     // lease is the acq_rel operation that publishes the access.
     r->state.fetch_add(detail::one_lease, std::memory_order_relaxed);
-    return access_lease(this, r, reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr)), len);
+    return access_lease(this, r, reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr)), len, r->device);
   }
 
   /// `acquire`'s check without a lease. Deprecated for serving accesses
@@ -357,15 +368,15 @@ class memory_registry {
   friend class revoke_awaitable;
 
   // Under mu_ (shared or exclusive).
-  detail::registration_record* find_checked(std::uint64_t addr, std::size_t len, std::uint64_t key,
-                                            access a) const noexcept {
+  detail::registration_record* find_checked(std::uint64_t addr, std::size_t len, std::uint64_t key, access a,
+                                            bool staged = false) const noexcept {
     auto it = live_.find(key);
     if (it == live_.end()) return nullptr;
     const detail::registration_record& e = it->second;
     // Overflow-safe containment: addr >= base && len <= size && addr - base <= size - len.
     if (addr < e.base || len > e.bytes || addr - e.base > e.bytes - len) return nullptr;
     if (!allows(e.perm, a)) return nullptr;
-    if (!e.host_accessible) return nullptr;
+    if (!e.host_accessible && !(staged && e.device >= 0)) return nullptr;
     return const_cast<detail::registration_record*>(&e);
   }
 

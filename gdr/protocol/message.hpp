@@ -11,11 +11,14 @@
 /// | type            | payload  | fields                                                    |
 /// |-----------------|----------|-----------------------------------------------------------|
 /// | `hello`         | none     | `size` = largest message accepted, `tag` = capabilities,  |
-/// |                 |          | `id` = protocol version                                   |
+/// |                 |          | `id` = protocol version, `addr` = largest payload of one  |
+/// |                 |          | frame into staged memory (its chunk; 0 = no limit)        |
 /// | `eager`         | message  | `tag`                                                     |
 /// | `rts`           | none     | `size` = message bytes, `tag`, `id` = sender's send id    |
-/// | `rtr`           | none     | `id` = send id, `size` = bytes accepted, `addr` = token   |
-/// | `data`          | message  | `addr` = the receiver's token (from its `rtr`)            |
+/// | `rtr`           | none     | `id` = send id, `size` = bytes accepted, `addr` = token,  |
+/// |                 |          | `key` = largest data frame it takes (0 = one frame)       |
+/// | `data`          | segment  | `addr` = the receiver's token (from its `rtr`), `size` =  |
+/// |                 |          | the segment's offset, flag `last` on the final segment    |
 /// | `rts_cancel`    | none     | `id` = send id                                            |
 /// | `rts_withdrawn` | none     | `id` = send id                                            |
 /// | `put_request`   | bytes    | `id` = request id, `addr`, `key`                          |
@@ -26,6 +29,14 @@
 ///
 /// Every field a type does not use must be zero: a header that breaks that,
 /// or names a length over the receiver's limit, is a protocol error.
+///
+/// Segments. A rendezvous message's bytes travel as one `data` frame, or as
+/// several (at consecutive offsets, in order, the last flagged) when either
+/// side stages them through bounce buffers: a sender of `Device` memory sends
+/// each chunk as it is copied out, and a receiver into `Device` memory asks
+/// for frames no larger than its bounce buffers (`rtr`'s `key`). Puts and
+/// gets that touch `Device` memory on either side are split the same way into
+/// several requests, each answered on its own.
 #pragma once
 
 #include <cstddef>
@@ -88,12 +99,17 @@ inline constexpr std::uint64_t gpudirect = 1u << 2;  ///< GPUDirect RDMA probed 
 inline constexpr std::uint64_t known = host | device | gpudirect;
 }  // namespace caps
 
+/// Flag bits of `header::flags`.
+namespace flag {
+inline constexpr std::uint16_t last = 1u << 0;  ///< `data`: the message's final segment
+}  // namespace flag
+
 /// One protocol message's header (see the file comment for the fields each
 /// type uses).
 struct header {
   msg type = msg::eager;
   status st = status::ok;
-  std::uint16_t flags = 0;  ///< none defined: must be zero
+  std::uint16_t flags = 0;  ///< `flag::last` on `data`; zero elsewhere
   std::uint64_t length = 0;  ///< payload bytes that follow
   std::uint64_t size = 0;
   std::uint64_t tag = 0;
@@ -113,18 +129,18 @@ constexpr bool has_payload(msg m) noexcept {
 /// status, payload within `max_message` (this side's limit). True if valid.
 /// The transport checks its own framing (magic, version, order) first.
 constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
-  if (h.flags != 0) return false;
+  if (h.flags != 0 && !(h.type == msg::data && h.flags == flag::last)) return false;
   if (static_cast<std::uint8_t>(h.st) > static_cast<std::uint8_t>(status::remote_access)) return false;
   bool st_zero = h.st == status::ok;
   if (!has_payload(h.type) && h.length != 0) return false;
   if (h.length > max_message) return false;
   switch (h.type) {
     case msg::hello:
-      return st_zero && h.addr == 0 && h.key == 0 && (h.tag & ~caps::known) == 0 && h.id >= 2 && h.size != 0;
+      return st_zero && h.key == 0 && (h.tag & ~caps::known) == 0 && h.id >= 2 && h.size != 0;
     case msg::eager: return st_zero && h.size == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
     case msg::rts: return st_zero && h.addr == 0 && h.key == 0 && h.size <= max_message;
-    case msg::rtr: return st_zero && h.tag == 0 && h.key == 0;
-    case msg::data: return st_zero && h.size == 0 && h.tag == 0 && h.id == 0 && h.key == 0;
+    case msg::rtr: return st_zero && h.tag == 0;
+    case msg::data: return st_zero && h.tag == 0 && h.id == 0 && h.key == 0 && h.size <= max_message;
     case msg::rts_cancel:
     case msg::rts_withdrawn:
     case msg::close:

@@ -64,10 +64,18 @@ class copy_engine : public poller {
   virtual std::error_code copy(direction d, int device, void* dst, const void* src, std::size_t n,
                                stream_order after, completion* c) noexcept = 0;
 
-  /// `n` bytes of pinned host memory, or null. Called once per bounce pool.
-  virtual std::byte* allocate_pinned(std::size_t n) noexcept = 0;
-  /// Frees what `allocate_pinned` returned.
-  virtual void free_pinned(std::byte* p, std::size_t n) noexcept = 0;
+  /// Pinned host memory and how to free it. `release` must not need the
+  /// copy engine object: an endpoint may free its bounce buffers after the
+  /// engine is gone.
+  struct pinned_block {
+    std::byte* data = nullptr;
+    std::size_t size = 0;
+    void (*release)(std::byte*, std::size_t) noexcept = nullptr;
+  };
+
+  /// `n` bytes of pinned host memory (`data` null if it could not be had).
+  /// Called once per bounce pool, never on the data path.
+  virtual pinned_block allocate_pinned(std::size_t n) noexcept = 0;
 
   /// The copy engine of `s`, or null.
   static copy_engine* of(const scheduler& s) noexcept { return s.poller_slot<copy_engine>(); }

@@ -69,7 +69,7 @@ enum class frame_status : std::uint8_t {
   bad_magic,    ///< not a gdr frame (or the stream is out of step)
   bad_version,  ///< another version of the wire format
   bad_type,     ///< unknown frame type
-  bad_flags,    ///< a flag bit set (none is defined)
+  bad_flags,    ///< a flag bit set that the frame's type does not define
   bad_field,    ///< a field that must be zero is not, an unknown status, or out of order
   too_long,     ///< a length above the receiver's limit
 };
@@ -168,7 +168,8 @@ constexpr frame_parse_result parse_frame(std::span<const std::byte> in,
   h.id = detail::get_le<std::uint64_t>(p + 40);
   h.addr = detail::get_le<std::uint64_t>(p + 48);
   h.key = detail::get_le<std::uint64_t>(p + 56);
-  if (h.flags != 0) return {frame_status::bad_flags, {}, 0};
+  if (h.flags != 0 && !(h.type == frame_type::data && h.flags == proto::flag::last))
+    return {frame_status::bad_flags, {}, 0};
   if (status > static_cast<std::uint8_t>(proto::status::remote_access)) return {frame_status::bad_field, {}, 0};
   h.st = static_cast<proto::status>(status);
   if (h.length > max_message) return {frame_status::too_long, {}, 0};
