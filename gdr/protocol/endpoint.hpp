@@ -61,6 +61,17 @@ constexpr auto as_view(B& b) noexcept {
   return b.view();
 }
 
+/// The GPU of a view of device memory (staged: at least 0, also for a view
+/// that does not say), or -1 for host memory.
+template <class T, class S>
+constexpr int device_of(view<T, S> v) noexcept {
+  if constexpr (space_traits<S>::on_device) {
+    return v.device() < 0 ? 0 : v.device();
+  } else {
+    return -1;
+  }
+}
+
 /// A view, or something that hands one out (`buffer<T, S>`): what the
 /// endpoint operations take.
 template <class V>
@@ -68,15 +79,32 @@ concept viewable = requires(V& v) {
   typename std::remove_cvref_t<decltype(gdr::detail::proto::as_view(v))>::space;
 };
 
+/// What an endpoint's set-up decided (`decide_paths`).
+struct path_plan {
+  /// Rows the forced path excludes (`engine::refuse_host`,
+  /// `engine::refuse_device`): their operations fail with
+  /// `errc::unsupported`, never downgraded.
+  std::uint8_t refused = 0;
+  /// Rows that do move bytes under the forced path.
+  int usable = 0;
+};
+
 /// Decides one row at set-up (see `decide_paths`).
 template <class Transport, class Op, class Local, class Remote>
-void decide_row(force_path force, const char* who, std::error_code& first) {
+void decide_row(force_path force, const char* who, path_plan& plan, std::error_code& probe_error) {
   if constexpr (select_path_v<Transport, Op, Local, Remote> != path_kind::unsupported) {
+    constexpr bool device = space_traits<Local>::on_device || space_traits<Remote>::on_device;
     result<path_decision> d = decide_path<Transport, Op, Local, Remote>(force);
     if (!d) {
-      if (!first) first = d.error();
+      // A probe that says no fails the set-up; a row that does not offer
+      // the forced path is refused.
+      if (select_path_v<Transport, Op, Local, Remote> == path_kind::probed && force != force_path::staged) {
+        if (!probe_error) probe_error = d.error();
+      }
+      plan.refused |= device ? engine::refuse_device : engine::refuse_host;
       return;
     }
+    ++plan.usable;
     d->endpoint = who;
     log_path_decision(*d);
   }
@@ -84,22 +112,33 @@ void decide_row(force_path force, const char* who, std::error_code& first) {
 
 /// An endpoint's set-up: decides the path of every row of the table it
 /// serves (sends and receives of each local space, puts and gets between
-/// like spaces) under `force`, and logs each decision (`GDR_LOG=path`).
-/// Returns the first row that cannot honour `force` (`errc::unsupported`):
-/// the endpoint is then not made. `who` names the endpoint in the log.
+/// each pair of spaces) under `force`, and logs each decision
+/// (`GDR_LOG=path`). Rows that cannot honour `force` are refused (their
+/// operations fail with `errc::unsupported`: never a downgrade). Fails
+/// (`errc::unsupported`, or a probe's error) when a probe says no or when
+/// no row is left: the endpoint is then not made. `who` names the endpoint
+/// in the log.
 template <class Transport>
-std::error_code decide_paths(force_path force, const char* who) {
-  std::error_code first;
-  auto spaces = [&]<class S>() {
-    decide_row<Transport, gdr::op::send, S, AnySpace>(force, who, first);
-    decide_row<Transport, gdr::op::recv, S, AnySpace>(force, who, first);
-    decide_row<Transport, gdr::op::put, S, S>(force, who, first);
-    decide_row<Transport, gdr::op::get, S, S>(force, who, first);
+result<path_plan> decide_paths(force_path force, const char* who) {
+  path_plan plan;
+  std::error_code probe_error;
+  auto rows = [&]<class S>() {
+    decide_row<Transport, gdr::op::send, S, AnySpace>(force, who, plan, probe_error);
+    decide_row<Transport, gdr::op::recv, S, AnySpace>(force, who, plan, probe_error);
+    auto remote = [&]<class R>() {
+      decide_row<Transport, gdr::op::put, S, R>(force, who, plan, probe_error);
+      decide_row<Transport, gdr::op::get, S, R>(force, who, plan, probe_error);
+    };
+    remote.template operator()<Host>();
+    remote.template operator()<Pinned>();
+    remote.template operator()<Device>();
   };
-  spaces.template operator()<Host>();
-  spaces.template operator()<Pinned>();
-  spaces.template operator()<Device>();
-  return first;
+  rows.template operator()<Host>();
+  rows.template operator()<Pinned>();
+  rows.template operator()<Device>();
+  if (probe_error) return probe_error;
+  if (plan.usable == 0) return errc::unsupported;
+  return plan;
 }
 
 }  // namespace detail::proto
@@ -155,8 +194,10 @@ class basic_endpoint {
     require_path<Transport, op::send, typename decltype(w)::space>();
     auto b = w.as_bytes();
     // The engine only reads through a send's pointer.
-    return {eng_, op_awaitable::kind::send, const_cast<std::byte*>(b.data()), b.size(),
-            static_cast<std::uint64_t>(t), std::move(opts)};
+    op_awaitable o{eng_, op_awaitable::kind::send, const_cast<std::byte*>(b.data()), b.size(),
+                   static_cast<std::uint64_t>(t), std::move(opts)};
+    o.set_spaces(detail::proto::device_of(w), false);
+    return o;
   }
   /// Sends `v` as one message of tag 0.
   template <detail::proto::viewable V>
@@ -178,7 +219,10 @@ class basic_endpoint {
     static_assert(!std::is_const_v<typename W::element_type>,
                   "gdr endpoint recv: cannot receive into a view of const elements");
     auto b = w.as_bytes();
-    return {eng_, op_awaitable::kind::recv, b.data(), b.size(), static_cast<std::uint64_t>(t), std::move(opts)};
+    op_awaitable o{eng_, op_awaitable::kind::recv, b.data(), b.size(), static_cast<std::uint64_t>(t),
+                   std::move(opts)};
+    o.set_spaces(detail::proto::device_of(w), false);
+    return o;
   }
   /// Receives the next message of tag 0 into `v`.
   template <detail::proto::viewable V>
@@ -219,8 +263,10 @@ class basic_endpoint {
     static_assert(std::is_same_v<std::remove_const_t<typename W::element_type>, std::remove_const_t<U>>,
                   "gdr endpoint put: the local and remote element types differ");
     auto b = w.as_bytes();
-    return {eng_,          op_awaitable::kind::put, const_cast<std::byte*>(b.data()), b.size(), remote.address(),
-            remote.size_bytes(), remote.key(), std::move(opts)};
+    op_awaitable o{eng_,          op_awaitable::kind::put, const_cast<std::byte*>(b.data()), b.size(),
+                   remote.address(), remote.size_bytes(), remote.key(), std::move(opts)};
+    o.set_spaces(detail::proto::device_of(w), space_traits<RS>::on_device);
+    return o;
   }
 
   /// Reads `local`'s size of the peer's registered memory at `remote` (at
@@ -236,8 +282,10 @@ class basic_endpoint {
     static_assert(std::is_same_v<typename W::element_type, std::remove_const_t<U>>,
                   "gdr endpoint get: the local and remote element types differ");
     auto b = w.as_bytes();
-    return {eng_,          op_awaitable::kind::get, b.data(), b.size(), remote.address(), remote.size_bytes(),
-            remote.key(), std::move(opts)};
+    op_awaitable o{eng_,          op_awaitable::kind::get, b.data(), b.size(), remote.address(), remote.size_bytes(),
+                   remote.key(), std::move(opts)};
+    o.set_spaces(detail::proto::device_of(w), space_traits<RS>::on_device);
+    return o;
   }
 
   /// Closes the endpoint in order: waits for the sends already started to go
@@ -271,6 +319,11 @@ class basic_endpoint {
   /// The peer as the transport names it ("10.0.0.2:4791" for TCP), for
   /// messages and logs.
   std::string peer_name() const { return eng_ ? eng_->peer_name() : std::string("(none)"); }
+  /// Bounce buffers of the staged path checked out now (sending, receiving):
+  /// both zero when no staged transfer is in flight.
+  std::pair<std::size_t, std::size_t> bounce_buffers_in_use() const noexcept {
+    return eng_ ? eng_->bounce_in_use() : std::pair<std::size_t, std::size_t>{0, 0};
+  }
   /// The largest message the peer accepts (0 until its handshake arrived).
   std::uint64_t peer_max_message() const noexcept { return eng_ ? eng_->peer_max_message() : 0; }
 

@@ -120,6 +120,7 @@
 #include <gdr/memory/registration.hpp>
 #include <gdr/protocol/message.hpp>
 #include <gdr/protocol/options.hpp>
+#include <gdr/protocol/staging.hpp>
 #include <gdr/sched/cancellable.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
@@ -130,6 +131,7 @@ namespace gdr::detail::proto {
 class engine;
 class op;
 struct reply_slot;
+struct stage_slot;
 
 /// Doubly linked intrusive FIFO over `T::*Prev` / `T::*Next`.
 template <class T, T* T::*Prev, T* T::*Next>
@@ -166,6 +168,7 @@ struct frame {
   const std::byte* payload = nullptr;  ///< `hdr.length` bytes
   op* owner = nullptr;                 ///< the operation it belongs to, or
   reply_slot* slot = nullptr;          ///< the reply slot it belongs to (or neither: the engine's own)
+  stage_slot* sslot = nullptr;         ///< the staging slot it belongs to (a segment)
   // ---- the transport's (queue links, progress, its encoding of the header) ----
   frame* prev = nullptr;
   frame* next = nullptr;
@@ -188,6 +191,7 @@ struct frame {
     payload = nullptr;
     owner = o;
     slot = nullptr;
+    sslot = nullptr;
     prev = next = nullptr;
     written = 0;
     queued = sealed = in_flight = false;
@@ -201,6 +205,42 @@ struct reply_slot {
   frame f;
   access_lease lease{};  ///< a get's source memory, held until written
   reply_slot* next_free = nullptr;
+  stage_slot* bounce = nullptr;  ///< a get from Device memory: the bytes' bounce buffer
+};
+
+/// One segment of the staged path in flight: a bounce buffer of
+/// `staging_options::chunk` bytes (rx: the bytes received, copied to the
+/// device next; tx: the bytes copied from the device, sent next), the frame
+/// that carries it (tx), and its copy's completion. A tx slot also carries
+/// the segments of host memory that a peer's bounce buffers limit (then its
+/// buffer is not used).
+struct stage_slot : copy_engine::completion {
+  engine* eng = nullptr;
+  op* owner = nullptr;      ///< the operation it serves, or
+  reply_slot* rs = nullptr; ///< the peer's request it serves
+  std::byte* mem = nullptr; ///< its bounce buffer
+  frame f;
+  std::size_t off = 0;      ///< where its bytes are in the operation's memory
+  std::size_t len = 0;
+  std::uint64_t req = 0;    ///< a served request's id
+  stage_slot* next = nullptr;  ///< the free list, or its operation's list
+  bool rx = false;
+  bool copying = false;  ///< a copy into or out of it is queued
+  bool ready = false;    ///< tx: its bytes are in place, the frame not yet posted
+  bool posted = false;   ///< tx: its frame is posted
+};
+
+/// The bounce buffers of one direction of an endpoint.
+struct stage_pool {
+  std::unique_ptr<stage_slot[]> slots;
+  std::size_t count = 0;
+  std::size_t in_use = 0;
+  stage_slot* free = nullptr;
+  copy_engine::pinned_block block{};  ///< `count * chunk` pinned bytes, once needed
+
+  ~stage_pool() {
+    if (block.data != nullptr && block.release != nullptr) block.release(block.data, block.size);
+  }
 };
 
 /// An early message: eager bytes kept, or an announcement (`rts`).
@@ -252,8 +292,16 @@ class op : private gdr::detail::cancellable<op> {
   op(op&& o) noexcept
       : cancellable<op>(std::move(o)),
         eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
-        rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_) {}
+        rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_), dev_(o.dev_), remote_dev_(o.remote_dev_) {}
   op& operator=(op&&) = delete;
+
+  /// Before it is awaited: the local memory is `Device` memory of GPU `dev`
+  /// (-1: host memory), and for a put or get whether the peer's is. Either
+  /// makes it a staged operation.
+  void set_spaces(int dev, bool remote_dev) noexcept {
+    dev_ = dev < 0 ? -1 : dev;
+    remote_dev_ = remote_dev;
+  }
 
   bool await_ready() const noexcept { return false; }
 
@@ -296,6 +344,12 @@ class op : private gdr::detail::cancellable<op> {
     return {ec_, bytes_, msg_size_, tag_, path_, proto_};
   }
 
+  /// Local or peer memory is staged through bounce buffers.
+  bool staged() const noexcept { return dev_ >= 0 || remote_dev_; }
+  /// Segments: an operation moved as several frames (staged, or limited by
+  /// the peer's bounce buffers) rather than one.
+  bool segmented() const noexcept { return seg_ != 0; }
+
  private:
   friend class engine;
 
@@ -334,6 +388,8 @@ class op : private gdr::detail::cancellable<op> {
   std::uint64_t rkey_ = 0;
   op_options opts_;
   kind kind_;
+  int dev_ = -1;             // local memory is Device memory of this GPU (staged)
+  bool remote_dev_ = false;  // put/get: the peer's memory is Device memory (it stages)
 
   // ---- state (loop thread) ----
   stage stage_ = stage::idle;
@@ -347,6 +403,25 @@ class op : private gdr::detail::cancellable<op> {
   std::uint64_t id_ = 0;  // send id, rendezvous token, or request id
   transfer_path path_ = transfer_path::none;
   wire_protocol proto_ = wire_protocol::none;
+  const char* what_ = nullptr;  // more about ec_, for the exception's text
+
+  // ---- segments (staged or peer-limited; loop thread) ----
+  std::size_t seg_ = 0;       // bytes per segment (0: one frame, not segmented)
+  std::size_t total_ = 0;     // bytes the segments cover (what moves)
+  std::size_t issued_ = 0;    // bytes handed to segments so far
+  std::size_t done_ = 0;      // bytes whose segments finished
+  std::size_t recv_off_ = 0;  // recv: the next data segment's offset
+  std::uint64_t nseg_ = 1;    // put/get: requests (ids id_ .. id_ + nseg_ - 1)
+  std::uint32_t copies_ = 0;  // copies in flight on this op's memory
+  std::uint32_t slots_ = 0;   // staging slots it holds
+  std::uint32_t out_ = 0;     // put/get: requests sent and not answered
+  bool go_ = false;           // send: the rtr came; put/get: requests may go
+  bool after_used_ = false;   // opts_.after was applied (to the first copy)
+  bool waiting_ = false;      // in the engine's queue for a staging slot
+  bool in_staging_ = false;   // in the engine's staging_ list
+  stage_slot* sq_head_ = nullptr;  // tx slots it holds, by offset
+  stage_slot* sq_tail_ = nullptr;
+  early_msg* early_ = nullptr;     // recv: a kept message to deliver once an rx slot is free
 
  public:  // links of the engine's lists (fifo needs them as template arguments)
   op* prev_ = nullptr;  // the one engine list it is in
@@ -384,6 +459,17 @@ class engine {
   /// The peer's capability bits from its hello.
   std::uint64_t peer_caps() const noexcept { return peer_caps_; }
 
+  /// Rows a forced path excludes (`set_refused`): their operations fail
+  /// with `errc::unsupported`.
+  static constexpr std::uint8_t refuse_host = 1;    ///< host memory on both sides
+  static constexpr std::uint8_t refuse_device = 2;  ///< device memory on either side (staged)
+  /// Set once by the transport at set-up, from `decide_paths`.
+  void set_refused(std::uint8_t rows) noexcept { refused_ = rows; }
+
+  /// Bounce buffers checked out now (tx, rx): zero when nothing staged is
+  /// in flight.
+  std::pair<std::size_t, std::size_t> bounce_in_use() const noexcept { return {tx_.in_use, rx_.in_use}; }
+
   /// The endpoint is gone: abort (if still open); the engine frees itself
   /// once nothing is in flight and every operation has resumed.
   void abandon() noexcept {
@@ -418,6 +504,12 @@ class engine {
       case op::kind::send: cancel_send(o, why); return;
       case op::kind::put:
       case op::kind::get:
+        if (o.segmented()) {
+          // Requests not yet written are withdrawn (try_finish); answers
+          // to those out are dropped.
+          complete(o, why);
+          return;
+        }
         if (o.stage_ == op::stage::awaiting && o.f1_.queued && link_withdraw(o.f1_)) {
           // The request never left: no answer will come.
           o.f1_.queued = false;
@@ -484,6 +576,8 @@ class engine {
       case op::kind::get: ++stats_->gets; stats_->bytes_received += o.bytes_; break;
       case op::kind::close: return;
     }
+    // Device memory on either side took the staged path, whatever moved.
+    if (o.dev_ >= 0 || o.remote_dev_) const_cast<op&>(o).path_ = transfer_path::staged_pinned;
     ++stats_->by_path[static_cast<std::size_t>(o.path_)];
     last_path_ = o.path_;
   }
@@ -503,8 +597,10 @@ class engine {
     }
     resume_node_.self = this;
     resume_node_.run = &on_resume_node;
+    chunk_ = std::max<std::size_t>(opts_.staging.chunk, 1);
     hello_.hdr.type = msg::hello;
     hello_.hdr.size = opts_.max_message;
+    hello_.hdr.addr = chunk_;
     hello_.hdr.tag = caps;
     hello_.hdr.id = version;
   }
@@ -589,6 +685,14 @@ class engine {
       case target::op_payload: {
         op& o = *t.o;
         o.placing_ = false;
+        if (t.counted) {
+          // One segment of several, straight into the operation's memory.
+          o.done_ += t.want;
+          if (!o.result_set_ && o.done_ == o.total_) finish_counted(o, direct);
+          else try_finish(o);
+          if (o.kind_ == op::kind::get && !o.result_set_) pump(o);
+          return;
+        }
         if (!o.result_set_) {
           o.bytes_ = t.want;
           if (o.path_ == transfer_path::none) o.path_ = link_rx_path(direct);
@@ -620,6 +724,7 @@ class engine {
         send_answer(s, msg::put_ack, t.id, status::ok, nullptr, 0);
         return;
       }
+      case target::stage_rx: placed_in_bounce(*t.b, t.id); return;
     }
   }
 
@@ -636,6 +741,10 @@ class engine {
   /// connection failed). Its payload memory is free.
   void on_sent(frame& f, std::error_code ec) noexcept {
     f.queued = false;
+    if (f.sslot != nullptr) {
+      segment_sent(*f.sslot, ec);
+      return;
+    }
     if (f.slot != nullptr) {
       free_slot(f.slot);
       return;
@@ -694,19 +803,21 @@ class engine {
 
  private:
   struct target {
-    enum kind_t : std::uint8_t { none, op_payload, store, serve_put, discard } kind = none;
+    enum kind_t : std::uint8_t { none, op_payload, store, serve_put, discard, stage_rx } kind = none;
     op* o = nullptr;
     early_msg* m = nullptr;
     reply_slot* s = nullptr;
+    stage_slot* b = nullptr;  // stage_rx: the bounce buffer
     std::uint64_t id = 0;
     std::size_t want = 0;
+    bool counted = false;  // op_payload: one segment of several
   };
   struct resume_node : remote_work {
     engine* self = nullptr;
   };
 
   bool deletable() const noexcept {
-    return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && link_quiet();
+    return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && link_quiet();
   }
 
   static rx_plan consumed() noexcept { return {}; }
@@ -729,9 +840,20 @@ class engine {
       o.ec_ = errc::closed;
       return false;
     }
+    if (std::error_code ec = staging_check(o)) {
+      o.ec_ = ec;
+      return false;
+    }
     for (early_msg* m = early_.head; m != nullptr; m = m->next) {
       if (m->tag != o.tag_) continue;
       early_.erase(m);
+      if (!m->rts && o.dev_ >= 0 && std::min<std::size_t>(m->size, o.size_) != 0) {
+        // Kept eager bytes for device memory: through a bounce buffer.
+        early_bytes_ -= m->size;
+        resume_reading();
+        deliver_early_staged(o, m);
+        return true;
+      }
       if (!m->rts) {
         // Kept eager bytes: received now, without suspending.
         early_bytes_ -= m->size;
@@ -762,6 +884,10 @@ class engine {
       o.ec_ = ec;
       return false;
     }
+    if (std::error_code ec = staging_check(o)) {
+      o.ec_ = ec;
+      return false;
+    }
     if (o.kind_ != op::kind::send && o.size_ > o.rsize_) {
       o.ec_ = errc::invalid_argument;  // the local view must fit in the remote one
       return false;
@@ -785,12 +911,14 @@ class engine {
       o.ec_ = errc::message_too_large;
       return false;
     }
+    if (o.kind_ != op::kind::send && o.staged()) return launch_segmented(o);
     frame& f = o.f1_;
     f.owner = &o;
     header& h = f.hdr;
     switch (o.kind_) {
       case op::kind::send:
-        if (o.size_ <= opts_.rendezvous_threshold) {
+        if (o.size_ <= eager_limit(o)) {
+          if (o.dev_ >= 0 && o.size_ != 0) return launch_staged_eager(o);
           o.proto_ = wire_protocol::eager;
           h.type = msg::eager;
           h.length = o.size_;
@@ -806,6 +934,14 @@ class engine {
           h.id = o.id_;
           o.stage_ = op::stage::announced;
           announced_.push_back(&o);
+          if (o.dev_ >= 0) {
+            // Copy the first chunks out while the announcement travels.
+            o.seg_ = own_segment();
+            o.total_ = o.size_;
+            link_post(f);
+            pump(o);
+            return true;
+          }
         }
         break;
       case op::kind::put:
@@ -877,6 +1013,16 @@ class engine {
         complete(o, why);
         return;
       case op::stage::queued:  // eager
+        if (o.staged()) {
+          stage_slot* b = o.sq_head_;
+          if (b != nullptr && b->posted) {
+            if (!link_withdraw(b->f)) return;  // committed: it completes when written
+            b->f.queued = false;
+            b->posted = false;
+          }
+          complete(o, why);  // a copy still running holds the finish back
+          return;
+        }
         if (link_withdraw(o.f1_)) {
           o.f1_.queued = false;
           complete(o, why);
@@ -927,12 +1073,28 @@ class engine {
           rma_.erase(&o);
           // A request the peer has (or will have) seen: its answer must be
           // recognised and dropped.
-          if (!error_) remember(dropped_answers_, o.id_);
+          if (!error_ && !o.segmented()) remember(dropped_answers_, o.id_);
         }
         break;
       default: break;
     }
+    if (o.in_staging_) {
+      staging_.erase(&o);
+      o.in_staging_ = false;
+    }
+    if (o.waiting_) stop_waiting(o);
+    if (o.early_ != nullptr) {
+      delete o.early_;
+      o.early_ = nullptr;
+    }
+    if (o.segmented() && o.kind_ != op::kind::send && o.kind_ != op::kind::recv) {
+      // Requests not yet written are taken back; answers to those out will
+      // be dropped.
+      release_segments(o);
+      if (o.out_ != 0 && !error_) remember_range(o.id_, o.id_ + o.nseg_, o.out_);
+    }
     if (o.placing_ && cur_.kind == target::op_payload && cur_.o == &o) abort_current();
+    if (cur_.kind == target::stage_rx && cur_.b->owner == &o) abort_current();
     o.stage_ = op::stage::idle;
     if (closing_ && o.kind_ == op::kind::send) maybe_post_close();
     try_finish(o);
@@ -945,6 +1107,10 @@ class engine {
     if (o.f1_.queued | o.f2_.queued | o.f3_.queued) {
       if (!frames_released(o)) return;
     }
+    // Copies still write or read its memory; its segments' frames are
+    // still with the transport.
+    if (o.slots_ != 0 && !release_segments(o)) return;
+    if (o.copies_ != 0) return;
     if (o.kind_ == op::kind::close) {
       if (!link_quiet()) return;  // close() returns when the transport is quiet
       close_op_ = nullptr;
@@ -994,6 +1160,7 @@ class engine {
     while (op* o = recvs_.head) complete(*o, ec);
     while (op* o = awaiting_data_.head) complete(*o, ec);
     while (op* o = rma_.head) complete(*o, ec);
+    while (op* o = staging_.head) complete(*o, ec);
     // Announcements kept can no longer be answered.
     for (early_msg* m = early_.head; m != nullptr;) {
       early_msg* next = m->next;
@@ -1005,6 +1172,7 @@ class engine {
     }
     dropped_tokens_.clear();
     dropped_answers_.clear();
+    dropped_ranges_.clear();
     if (cur_.kind == target::op_payload) {
       complete(*cur_.o, ec);
     } else {
@@ -1034,6 +1202,19 @@ class engine {
         break;
       case target::store: delete t.m; break;
       case target::serve_put: free_slot(t.s); break;
+      case target::stage_rx: {
+        stage_slot& b = *t.b;
+        if (reply_slot* s = b.rs) {
+          release_slot(b);
+          free_slot(s);  // a failed endpoint sends nothing
+        } else {
+          op& o = *b.owner;
+          o.placing_ = false;
+          release_slot(b);
+          try_finish(o);
+        }
+        break;
+      }
       default: break;
     }
   }
@@ -1070,6 +1251,9 @@ class engine {
     std::size_t accept = std::min<std::size_t>(size, r.size_);
     if (accept < size) r.ec_ = errc::truncated;  // reported when the data is in
     r.stage_ = op::stage::awaiting;
+    r.total_ = accept;
+    r.recv_off_ = 0;
+    r.done_ = 0;
     awaiting_data_.push_back(&r);
     frame& f = r.f1_;
     f.reset(&r);
@@ -1077,6 +1261,9 @@ class engine {
     f.hdr.id = sid;
     f.hdr.size = accept;
     f.hdr.addr = r.id_;
+    // Device memory takes the data in frames no larger than its bounce
+    // buffers.
+    if (r.dev_ >= 0) f.hdr.key = chunk_;
     link_post(f);
   }
 
@@ -1098,6 +1285,7 @@ class engine {
     got_hello_ = true;
     peer_max_ = h.size;
     peer_caps_ = h.tag;
+    peer_seg_ = h.addr;
     while (op* o = held_.pop_front()) {
       o->stage_ = op::stage::idle;
       if (!launch(*o)) complete(*o, o->ec_);  // larger than the peer accepts
@@ -1109,8 +1297,22 @@ class engine {
   rx_plan rx_eager(const header& h) noexcept {
     auto len = static_cast<std::size_t>(h.length);
     if (op* r = find_recv(h.tag)) {
-      take_recv(*r);
       std::size_t want = std::min(len, r->size_);
+      if (r->dev_ >= 0 && want != 0) {
+        // Into device memory: through a bounce buffer. The peer keeps eager
+        // messages within the chunk size of its hello.
+        if (len > chunk_) return fail_plan();
+        stage_slot* b = take(rx_);
+        if (b == nullptr) return pause_reading();
+        take_recv(*r);
+        if (want < len) r->ec_ = errc::truncated;
+        r->msg_size_ = len;
+        r->proto_ = wire_protocol::eager;
+        r->stage_ = op::stage::placing;
+        r->total_ = want;
+        return place_in_bounce(*r, *b, 0, want, len - want);
+      }
+      take_recv(*r);
       if (want < len) r->ec_ = errc::truncated;
       r->msg_size_ = len;
       r->proto_ = wire_protocol::eager;
@@ -1158,6 +1360,7 @@ class engine {
     op* s = announced_.head;
     while (s != nullptr && s->id_ != h.id) s = s->next_;
     if (s == nullptr || h.size > s->size_) return fail_plan();  // not one of ours
+    if (s->dev_ >= 0 || h.key != 0) return rtr_segmented(*s, h);
     announced_.erase(s);
     // Committed now, whatever a stop asked: a pending rts_cancel is
     // ignored by the peer, which matched the message first.
@@ -1167,6 +1370,7 @@ class engine {
     frame& f = s->f2_;
     f.reset(s);
     f.hdr.type = msg::data;
+    f.hdr.flags = flag::last;
     f.hdr.length = h.size;
     f.hdr.addr = h.addr;
     f.payload = s->data_;
@@ -1176,18 +1380,43 @@ class engine {
 
   rx_plan rx_data(const header& h) noexcept {
     std::uint64_t token = h.addr;
+    bool last = (h.flags & flag::last) != 0;
     for (op* r = awaiting_data_.head; r != nullptr; r = r->next_) {
       if (r->id_ != token) continue;
       auto len = static_cast<std::size_t>(h.length);
-      if (len != std::min(r->msg_size_, r->size_)) return fail_plan();  // not what was accepted
-      awaiting_data_.erase(r);
-      r->stage_ = op::stage::placing;
+      auto off = static_cast<std::size_t>(h.size);
+      // Segments come in order, cover exactly what was accepted, and the
+      // last one says so.
+      if (off != r->recv_off_ || len > r->total_ - off || last != (off + len == r->total_))
+        return fail_plan();
+      if (r->dev_ >= 0 && len != 0) {
+        if (len > chunk_) return fail_plan();  // larger than the rtr allowed
+        stage_slot* b = take(rx_);
+        if (b == nullptr) return pause_reading();
+        r->recv_off_ += len;
+        if (last) {
+          awaiting_data_.erase(r);
+          r->stage_ = op::stage::placing;
+        }
+        return place_in_bounce(*r, *b, off, len, 0);
+      }
+      r->recv_off_ += len;
+      if (last) {
+        awaiting_data_.erase(r);
+        r->stage_ = op::stage::placing;
+      }
       r->placing_ = true;
-      return place({target::op_payload, r}, r->data_, len, 0);
+      if (off == 0 && last && r->done_ == 0 && r->dev_ < 0) {
+        return place({target::op_payload, r}, r->data_, len, 0);  // the whole message in one frame
+      }
+      target t{target::op_payload, r};
+      t.counted = true;
+      return place(t, r->data_ + off, len, 0);
     }
-    if (forget(dropped_tokens_, token)) return drop(h.length);  // its receive was cancelled
+    if (last ? forget(dropped_tokens_, token) : is_dropped(token)) return drop(h.length);  // its receive was cancelled
     return fail_plan();
   }
+
 
   rx_plan rx_rts_cancel(const header& h) noexcept {
     for (early_msg* m = early_.head; m != nullptr; m = m->next) {
@@ -1216,7 +1445,28 @@ class engine {
     reply_slot* s = take_slot();
     if (s == nullptr) return pause_reading();
     auto len = static_cast<std::size_t>(h.length);
-    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::write);
+    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::write, can_stage());
+    if (l && l->on_device() && len != 0) {
+      // Into device memory: through a bounce buffer, then a copy; the ack
+      // follows the copy. A request larger than a bounce buffer (the peer
+      // ignored our hello) is refused.
+      if (len <= chunk_ && !ensure_pool(rx_, true)) {
+        stage_slot* b = take(rx_);
+        if (b == nullptr) {
+          l->release();
+          put_back_slot(s);
+          return pause_reading();
+        }
+        s->lease = std::move(*l);
+        b->rs = s;
+        b->req = h.id;
+        b->len = len;
+        target t{target::stage_rx};
+        t.b = b;
+        return place(t, b->mem, len, 0);
+      }
+      l = errc::remote_access;
+    }
     if (!l) {
       // Refused: nothing is written; the payload is read and dropped.
       ++stats_->refused;
@@ -1234,7 +1484,29 @@ class engine {
     reply_slot* s = take_slot();
     if (s == nullptr) return pause_reading();
     auto len = static_cast<std::size_t>(h.size);
-    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::read);
+    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::read, can_stage());
+    if (l && l->on_device() && len != 0) {
+      // From device memory: copied into a bounce buffer, sent from there.
+      if (len <= chunk_ && !ensure_pool(tx_, true)) {
+        stage_slot* b = take(tx_);
+        if (b == nullptr) {
+          l->release();
+          put_back_slot(s);
+          return pause_reading();
+        }
+        s->lease = std::move(*l);
+        b->rs = s;
+        b->req = h.id;
+        b->len = len;
+        if (!start_copy(*b, copy_engine::direction::to_host, s->lease.device(), b->mem, s->lease.data(), len,
+                        nullptr)) {
+          return consumed();  // answered when the copy is done
+        }
+        s->lease.release();
+        release_slot(*b);
+      }
+      l = errc::remote_access;
+    }
     if (!l) {
       ++stats_->refused;
       send_answer(s, msg::get_reply, h.id, status::remote_access, nullptr, 0);
@@ -1251,12 +1523,13 @@ class engine {
   rx_plan rx_answer(const header& h) noexcept {
     bool get = h.type == msg::get_reply;
     op* o = rma_.head;
-    while (o != nullptr && o->id_ != h.id) o = o->next_;
+    while (o != nullptr && !(h.id >= o->id_ && h.id - o->id_ < o->nseg_)) o = o->next_;
     if (o == nullptr) {
-      if (forget(dropped_answers_, h.id)) return drop(h.length);  // a cancelled request's answer
+      if (forget(dropped_answers_, h.id) || forget_in_range(h.id)) return drop(h.length);  // a cancelled request's answer
       return fail_plan();  // an answer to nothing we asked
     }
     if ((o->kind_ == op::kind::get) != get) return fail_plan();
+    if (o->segmented()) return segment_answer(*o, h);
     rma_.erase(o);
     o->stage_ = op::stage::idle;
     if (h.st != status::ok) {
@@ -1275,6 +1548,622 @@ class engine {
     return place({target::op_payload, o}, o->data_, o->size_, 0);
   }
 
+
+  // ---------------------------------------------------------------- the staged path
+  //
+  // Device memory moves through bounce buffers (`stage_slot`s, one pool per
+  // direction): out through a device-to-host copy into a tx slot whose frame
+  // then carries it, in through an rx slot the transport places a frame's
+  // payload into, then a host-to-device copy. An operation moves as
+  // segments of at most one chunk; each segment is a slot, and its op
+  // counts the bytes done. `pump` hands segments to slots while slots are
+  // free (an op waits in tx_wait_ otherwise) and posts the ready ones in
+  // order; copies complete through the scheduler's copy engine
+  // (`copy_done`). An op finishes only once none of its copies runs and it
+  // holds no slot.
+
+  /// This side can serve device memory (it has a copy engine).
+  bool can_stage() const noexcept { return copy_engine::of(*sched_) != nullptr; }
+
+  /// The segment of this side's own device memory: one chunk, or less if
+  /// the peer's bounce buffers are smaller.
+  std::size_t own_segment() const noexcept {
+    return peer_seg_ != 0 ? std::min<std::size_t>(chunk_, peer_seg_) : chunk_;
+  }
+
+  /// The largest message `o` sends eager: the threshold, within the peer's
+  /// bounce buffers (it may receive into device memory) and, from device
+  /// memory, within one of ours.
+  std::size_t eager_limit(const op& o) const noexcept {
+    std::size_t e = opts_.rendezvous_threshold;
+    if (peer_seg_ != 0) e = std::min<std::size_t>(e, peer_seg_);
+    if (o.dev_ >= 0) e = std::min(e, chunk_);
+    return e;
+  }
+
+  /// Whether `o` may start: its rows are not refused, and a staged one has
+  /// a copy engine and its bounce buffers.
+  std::error_code staging_check(op& o) noexcept {
+    const bool staged = o.staged();
+    if (refused_ & (staged ? refuse_device : refuse_host)) {
+      o.what_ = staged ? "this endpoint's forced path excludes device memory (the staged path)"
+                       : "this endpoint's forced path excludes host memory";
+      return errc::unsupported;
+    }
+    if (!staged) return {};
+    if (o.dev_ >= 0 && !can_stage()) {
+      o.what_ = "device memory needs a copy engine on the endpoint's scheduler: create a gdr::cuda::event_poller "
+                "for it (gdr::cuda::event_poller events(sched);)";
+      return errc::no_device;
+    }
+    const bool out = o.kind_ == op::kind::send || o.kind_ == op::kind::put;
+    std::error_code ec;
+    if (o.kind_ != op::kind::recv) ec = ensure_pool(tx_, o.dev_ >= 0 && out);
+    if (!ec && o.dev_ >= 0 && !out) ec = ensure_pool(rx_, true);
+    if (ec) o.what_ = "could not allocate the staged path's pinned bounce buffers";
+    return ec;
+  }
+
+  /// Makes `p`'s slots, and its pinned memory if `mem`.
+  std::error_code ensure_pool(stage_pool& p, bool mem) noexcept {
+    if (!p.slots) {
+      std::size_t n = std::max<std::size_t>(opts_.staging.depth, 1);
+      p.slots.reset(new (std::nothrow) stage_slot[n]);
+      if (!p.slots) return errno_code(ENOMEM);
+      p.count = n;
+      for (std::size_t i = n; i-- > 0;) {
+        stage_slot& b = p.slots[i];
+        b.eng = this;
+        b.rx = &p == &rx_;
+        b.done = &on_copy_done;
+        b.f.sslot = &b;
+        b.next = p.free;
+        p.free = &b;
+      }
+    }
+    if (mem && p.block.data == nullptr) {
+      copy_engine* ce = copy_engine::of(*sched_);
+      if (ce == nullptr) return errc::no_device;
+      p.block = ce->allocate_pinned(p.count * chunk_);
+      if (p.block.data == nullptr) return errno_code(ENOMEM);
+      for (std::size_t i = 0; i < p.count; ++i) p.slots[i].mem = p.block.data + i * chunk_;
+    }
+    return {};
+  }
+
+  stage_slot* take(stage_pool& p) noexcept {
+    stage_slot* b = p.free;
+    if (b == nullptr) return nullptr;
+    p.free = b->next;
+    b->next = nullptr;
+    ++p.in_use;
+    return b;
+  }
+
+  /// Gives slot `b` back (unlinking it from its op), then lets whoever
+  /// waits for one go on.
+  void release_slot(stage_slot& b) noexcept {
+    stage_pool& p = b.rx ? rx_ : tx_;
+    if (op* o = b.owner) {
+      --o->slots_;
+      if (!b.rx) unlink_segment(*o, b);
+    }
+    b.owner = nullptr;
+    b.rs = nullptr;
+    b.off = b.len = 0;
+    b.req = 0;
+    b.copying = b.ready = b.posted = false;
+    b.f.reset(nullptr);
+    b.f.sslot = &b;
+    b.next = p.free;
+    p.free = &b;
+    --p.in_use;
+    slot_freed(b.rx);
+  }
+
+  void unlink_segment(op& o, stage_slot& b) noexcept {
+    stage_slot** pp = &o.sq_head_;
+    stage_slot* prev = nullptr;
+    while (*pp != nullptr && *pp != &b) {
+      prev = *pp;
+      pp = &(*pp)->next;
+    }
+    if (*pp == nullptr) return;
+    *pp = b.next;
+    if (o.sq_tail_ == &b) o.sq_tail_ = prev;
+    b.next = nullptr;
+  }
+
+  /// A slot came free: a paused reader may go on, and so may the ops
+  /// waiting for one.
+  void slot_freed(bool rx) noexcept {
+    resume_reading();
+    if (kicking_) {
+      rekick_ = true;
+      return;
+    }
+    kicking_ = true;
+    do {
+      rekick_ = false;
+      std::vector<op*>& q = rx ? rx_wait_ : tx_wait_;
+      while (!q.empty() && (rx ? rx_.free : tx_.free) != nullptr) {
+        op* o = q.front();
+        q.erase(q.begin());
+        o->waiting_ = false;
+        if (rx) {
+          try_deliver_early(*o);
+        } else {
+          pump(*o);
+        }
+      }
+    } while (rekick_);
+    kicking_ = false;
+  }
+
+  void wait_for_slot(op& o, bool rx) noexcept {
+    if (o.waiting_) return;
+    try {
+      (rx ? rx_wait_ : tx_wait_).push_back(&o);
+      o.waiting_ = true;
+    } catch (...) {
+      complete(o, errno_code(ENOMEM));
+    }
+  }
+  void stop_waiting(op& o) noexcept {
+    for (std::vector<op*>* q : {&tx_wait_, &rx_wait_}) std::erase(*q, &o);
+    o.waiting_ = false;
+  }
+
+  /// Queues a copy for slot `b`; `o` is the op whose memory it touches
+  /// (null: a served request's). Its first copy is ordered after
+  /// `op_options::after`.
+  std::error_code start_copy(stage_slot& b, copy_engine::direction d, int device, void* dst, const void* src,
+                             std::size_t n, op* o) noexcept {
+    copy_engine* ce = copy_engine::of(*sched_);
+    if (ce == nullptr) return errc::no_device;
+    stream_order after{};
+    if (o != nullptr && !o->after_used_) {
+      after = o->opts_.after;
+      o->after_used_ = true;
+    }
+    b.copying = true;
+    if (std::error_code ec = ce->copy(d, device, dst, src, n, after, &b)) {
+      b.copying = false;
+      return ec;
+    }
+    ++copies_;
+    ++stats_->staged_chunks;
+    if (o != nullptr) ++o->copies_;
+    return {};
+  }
+
+  static void on_copy_done(copy_engine::completion* c, std::error_code ec) noexcept {
+    auto* b = static_cast<stage_slot*>(c);
+    engine* e = b->eng;
+    e->enter();
+    e->copy_done(*b, ec);
+    e->leave();
+  }
+
+  void copy_done(stage_slot& b, std::error_code ec) noexcept {
+    b.copying = false;
+    --copies_;
+    if (reply_slot* s = b.rs) {
+      served_copy_done(b, *s, ec);
+      return;
+    }
+    op& o = *b.owner;
+    --o.copies_;
+    if (b.rx) {
+      std::size_t len = b.len;
+      release_slot(b);
+      if (ec) {
+        copy_failed(o, ec);
+      } else {
+        o.done_ += len;
+        if (!o.result_set_ && o.done_ == o.total_) finish_counted(o, false);
+      }
+      try_finish(o);
+      if (o.kind_ == op::kind::get) pump(o);
+      return;
+    }
+    if (ec || o.result_set_ || b.off >= o.total_) {
+      release_slot(b);
+      if (ec) copy_failed(o, ec);
+      try_finish(o);
+      return;
+    }
+    b.ready = true;
+    post_ready(o);
+  }
+
+  void copy_failed(op& o, std::error_code ec) noexcept {
+    if (o.result_set_) return;
+    o.what_ = "a copy of the staged path failed";
+    // A rendezvous send whose data is committed cannot stop half way: the
+    // receiver waits for the rest. The connection cannot go on.
+    if (o.kind_ == op::kind::send && o.stage_ == op::stage::sending) {
+      complete(o, ec);
+      fail(errc::device_error);
+      return;
+    }
+    complete(o, ec);
+  }
+
+  /// A served request's copy finished (`b.rx`: a put into device memory,
+  /// answered now; else a get from it, sent from the bounce buffer now).
+  void served_copy_done(stage_slot& b, reply_slot& s, std::error_code ec) noexcept {
+    std::uint64_t id = b.req;
+    std::size_t len = b.len;
+    s.lease.release();
+    if (b.rx || ec) {
+      release_slot(b);
+      ++(ec ? stats_->refused : b.rx ? stats_->served_puts : stats_->served_gets);
+      send_answer(&s, b.rx ? msg::put_ack : msg::get_reply, id, ec ? status::remote_access : status::ok, nullptr, 0);
+      return;
+    }
+    ++stats_->served_gets;
+    b.rs = nullptr;
+    s.bounce = &b;
+    send_answer(&s, msg::get_reply, id, status::ok, b.mem, len);
+  }
+
+  /// The transport is to place `len` bytes of `r`'s message (at `off`) into
+  /// bounce buffer `b`, then drop `discard`.
+  rx_plan place_in_bounce(op& r, stage_slot& b, std::size_t off, std::size_t len, std::uint64_t discard) noexcept {
+    b.owner = &r;
+    b.off = off;
+    b.len = len;
+    ++r.slots_;
+    r.placing_ = true;
+    r.path_ = transfer_path::staged_pinned;
+    target t{target::stage_rx};
+    t.b = &b;
+    return place(t, b.mem, len, discard);
+  }
+
+  /// Bytes are in rx slot `b`: copy them to the device.
+  void placed_in_bounce(stage_slot& b, std::uint64_t) noexcept {
+    if (reply_slot* s = b.rs) {
+      if (start_copy(b, copy_engine::direction::to_device, s->lease.device(), s->lease.data(), b.mem, b.len,
+                     nullptr)) {
+        std::uint64_t id = b.req;
+        s->lease.release();
+        release_slot(b);
+        ++stats_->refused;
+        send_answer(s, msg::put_ack, id, status::remote_access, nullptr, 0);
+      }
+      return;
+    }
+    op& o = *b.owner;
+    o.placing_ = false;
+    if (o.result_set_) {
+      release_slot(b);
+      try_finish(o);
+      return;
+    }
+    if (std::error_code ec =
+            start_copy(b, copy_engine::direction::to_device, o.dev_, o.data_ + b.off, b.mem, b.len, &o)) {
+      release_slot(b);
+      copy_failed(o, ec);
+      try_finish(o);
+    }
+  }
+
+  /// A counted op has all its bytes in place.
+  void finish_counted(op& o, bool direct) noexcept {
+    switch (o.kind_) {
+      case op::kind::recv: o.bytes_ = o.total_; break;
+      default: o.bytes_ = o.size_; break;
+    }
+    o.path_ = o.staged() ? transfer_path::staged_pinned : link_rx_path(direct);
+    complete(o, o.ec_);  // errc::truncated was noted when the message began
+  }
+
+  /// A kept eager message for device memory: copied into a bounce buffer
+  /// (when one is free), then to the device.
+  void deliver_early_staged(op& o, early_msg* m) noexcept {
+    o.msg_size_ = static_cast<std::size_t>(m->size);
+    o.proto_ = wire_protocol::eager;
+    o.path_ = transfer_path::staged_pinned;
+    o.total_ = std::min<std::size_t>(o.msg_size_, o.size_);
+    if (o.msg_size_ > o.size_) o.ec_ = errc::truncated;
+    o.early_ = m;
+    o.stage_ = op::stage::placing;
+    staging_.push_back(&o);
+    o.in_staging_ = true;
+    try_deliver_early(o);
+  }
+
+  void try_deliver_early(op& o) noexcept {
+    if (o.early_ == nullptr || o.result_set_) return;
+    stage_slot* b = take(rx_);
+    if (b == nullptr) {
+      wait_for_slot(o, true);
+      return;
+    }
+    std::memcpy(b->mem, o.early_->bytes.get(), o.total_);
+    delete std::exchange(o.early_, nullptr);
+    b->owner = &o;
+    b->len = o.total_;
+    ++o.slots_;
+    if (std::error_code ec =
+            start_copy(*b, copy_engine::direction::to_device, o.dev_, o.data_, b->mem, b->len, &o)) {
+      release_slot(*b);
+      copy_failed(o, ec);
+      try_finish(o);
+    }
+  }
+
+  /// A staged eager send: one chunk copied out, then sent.
+  bool launch_staged_eager(op& o) noexcept {
+    o.proto_ = wire_protocol::eager;
+    o.stage_ = op::stage::queued;
+    o.seg_ = o.size_;
+    o.total_ = o.size_;
+    staging_.push_back(&o);
+    o.in_staging_ = true;
+    pump(o);
+    return true;
+  }
+
+  /// A put or get that touches device memory (either side): requests of at
+  /// most one segment each, at most `depth` unanswered.
+  bool launch_segmented(op& o) noexcept {
+    std::size_t seg = o.size_;
+    if (o.dev_ >= 0) seg = std::min(seg, chunk_);
+    if (o.remote_dev_ && peer_seg_ != 0) seg = std::min<std::size_t>(seg, peer_seg_);
+    o.seg_ = std::max<std::size_t>(seg, 1);
+    o.total_ = o.size_;
+    o.nseg_ = o.size_ == 0 ? 1 : (o.size_ + o.seg_ - 1) / o.seg_;
+    o.id_ = next_id_;
+    next_id_ += o.nseg_;
+    o.path_ = transfer_path::staged_pinned;
+    o.stage_ = op::stage::awaiting;
+    rma_.push_back(&o);
+    if (o.size_ == 0) {
+      // Nothing to move: one empty request checks the key.
+      stage_slot* b = take(tx_);
+      if (b == nullptr) {
+        wait_for_slot(o, false);
+        return true;
+      }
+      attach_segment(o, *b, 0, 0);
+      b->ready = true;
+      post_ready(o);
+      return true;
+    }
+    pump(o);
+    return true;
+  }
+
+  void attach_segment(op& o, stage_slot& b, std::size_t off, std::size_t len) noexcept {
+    b.owner = &o;
+    b.off = off;
+    b.len = len;
+    b.next = nullptr;
+    (o.sq_tail_ ? o.sq_tail_->next : o.sq_head_) = &b;
+    o.sq_tail_ = &b;
+    ++o.slots_;
+  }
+
+  /// Hands `o`'s next segments to free tx slots (copying device memory out
+  /// into them) and posts those ready, in order.
+  void pump(op& o) noexcept {
+    if (o.result_set_) return;
+    const bool rma = o.kind_ == op::kind::put || o.kind_ == op::kind::get;
+    const bool copy_out = o.dev_ >= 0 && o.kind_ != op::kind::get;
+    const std::size_t depth = tx_.count;
+    while (o.issued_ < o.total_) {
+      if (rma && o.out_ + o.slots_ >= depth) break;  // enough requests unanswered
+      stage_slot* b = take(tx_);
+      if (b == nullptr) {
+        wait_for_slot(o, false);
+        break;
+      }
+      std::size_t len = std::min(o.seg_, o.total_ - o.issued_);
+      attach_segment(o, *b, o.issued_, len);
+      o.issued_ += len;
+      if (copy_out) {
+        if (std::error_code ec =
+                start_copy(*b, copy_engine::direction::to_host, o.dev_, b->mem, o.data_ + b->off, len, &o)) {
+          release_slot(*b);
+          copy_failed(o, ec);
+          try_finish(o);
+          return;
+        }
+      } else {
+        b->ready = true;
+      }
+    }
+    post_ready(o);
+  }
+
+  /// Posts `o`'s segments whose bytes are ready, in offset order.
+  void post_ready(op& o) noexcept {
+    if (o.result_set_) return;
+    if (o.kind_ == op::kind::send && o.proto_ == wire_protocol::rendezvous && !o.go_) return;
+    for (stage_slot* b = o.sq_head_; b != nullptr; b = b->next) {
+      if (b->posted) continue;
+      if (!b->ready) break;
+      frame& f = b->f;
+      f.reset(&o);
+      f.sslot = b;
+      header& h = f.hdr;
+      const std::byte* src = o.dev_ >= 0 ? b->mem : o.data_ + b->off;
+      switch (o.kind_) {
+        case op::kind::send:
+          if (o.proto_ == wire_protocol::eager) {
+            h.type = msg::eager;
+            h.tag = o.tag_;
+          } else {
+            h.type = msg::data;
+            h.addr = o.raddr_;  // the receiver's token
+            h.size = b->off;
+            if (b->off + b->len == o.total_) h.flags = flag::last;
+          }
+          h.length = b->len;
+          f.payload = src;
+          break;
+        case op::kind::put:
+          h.type = msg::put_request;
+          h.id = o.id_ + b->off / o.seg_;
+          h.addr = o.raddr_ + b->off;
+          h.key = o.rkey_;
+          h.length = b->len;
+          f.payload = src;
+          ++o.out_;
+          break;
+        case op::kind::get:
+          h.type = msg::get_request;
+          h.id = o.id_ + b->off / o.seg_;
+          h.addr = o.raddr_ + b->off;
+          h.key = o.rkey_;
+          h.size = b->len;
+          ++o.out_;
+          break;
+        default: break;
+      }
+      b->posted = true;
+      link_post(f);
+    }
+  }
+
+  /// A segment's frame is written (or failed).
+  void segment_sent(stage_slot& b, std::error_code ec) noexcept {
+    op& o = *b.owner;
+    b.posted = false;
+    std::size_t len = b.len;
+    release_slot(b);
+    if (ec) {
+      if (o.kind_ != op::kind::send && o.out_ != 0) --o.out_;  // no answer will come
+      complete(o, error_ ? error_ : ec);
+      try_finish(o);
+      return;
+    }
+    if (o.kind_ == op::kind::send) {
+      o.done_ += len;
+      if (!o.result_set_ && o.done_ == o.total_) {
+        o.bytes_ = o.size_;
+        o.path_ = transfer_path::staged_pinned;
+        complete(o, {});
+      }
+    }
+    try_finish(o);
+    pump(o);
+  }
+
+  /// Takes back what `o`'s segments still hold: frames not yet committed
+  /// are withdrawn, idle slots freed. True once it holds none.
+  bool release_segments(op& o) noexcept {
+    for (stage_slot* b = o.sq_head_; b != nullptr;) {
+      stage_slot* next = b->next;
+      if (b->posted) {
+        if (b->f.queued && link_withdraw(b->f)) {
+          b->f.queued = false;
+          if (o.kind_ != op::kind::send && o.out_ != 0) --o.out_;  // never sent: no answer
+          release_slot(*b);
+        }
+      } else if (!b->copying) {
+        release_slot(*b);
+      }
+      b = next;
+    }
+    return o.slots_ == 0;
+  }
+
+  /// An rtr for a send moved in segments (from device memory, or into the
+  /// peer's device memory).
+  rx_plan rtr_segmented(op& s, const header& h) noexcept {
+    if (s.dev_ >= 0 && h.key != 0 && h.key < s.seg_) return fail_plan();  // smaller than its hello said
+    if (s.dev_ < 0 && ensure_pool(tx_, false)) return fail_plan();
+    announced_.erase(&s);
+    s.stop_reason_ = {};
+    s.stage_ = op::stage::sending;
+    ++rendezvous_out_;
+    s.go_ = true;
+    s.raddr_ = h.addr;  // the receiver's token
+    if (s.dev_ < 0) s.seg_ = static_cast<std::size_t>(h.key);
+    // The receive may accept fewer bytes: segments past them are not sent.
+    s.total_ = static_cast<std::size_t>(h.size);
+    s.issued_ = std::min(s.issued_, s.total_);
+    for (stage_slot* b = s.sq_head_; b != nullptr;) {
+      stage_slot* next = b->next;
+      if (b->off >= s.total_) {
+        if (!b->copying) release_slot(*b);
+      } else if (b->off + b->len > s.total_) {
+        b->len = s.total_ - b->off;
+      }
+      b = next;
+    }
+    staging_.push_back(&s);
+    s.in_staging_ = true;
+    if (s.total_ == 0) {
+      // Nothing accepted: one empty segment ends the message.
+      frame& f = s.f2_;
+      f.reset(&s);
+      f.hdr.type = msg::data;
+      f.hdr.flags = flag::last;
+      f.hdr.addr = h.addr;
+      link_post(f);
+      return consumed();
+    }
+    pump(s);
+    return consumed();
+  }
+
+  /// An answer to one request of a segmented put or get.
+  rx_plan segment_answer(op& o, const header& h) noexcept {
+    std::size_t off = static_cast<std::size_t>(h.id - o.id_) * o.seg_;
+    std::size_t len = o.size_ == 0 ? 0 : std::min(o.seg_, o.total_ - off);
+    if (h.st != status::ok) {
+      --o.out_;
+      complete(o, errc::remote_access);
+      return h.length != 0 ? drop(h.length) : consumed();
+    }
+    if (o.kind_ == op::kind::put) {
+      --o.out_;
+      o.done_ += len;
+      if (!o.result_set_ && o.done_ == o.total_) finish_counted(o, false);
+      else pump(o);
+      return consumed();
+    }
+    if (h.length != len) return fail_plan();  // not what was asked for
+    if (o.dev_ >= 0 && len != 0) {
+      stage_slot* b = take(rx_);
+      if (b == nullptr) return pause_reading();
+      --o.out_;
+      return place_in_bounce(o, *b, off, len, 0);
+    }
+    --o.out_;
+    o.placing_ = true;
+    target t{target::op_payload, &o};
+    t.counted = true;
+    return place(t, o.data_ + off, len, 0);
+  }
+
+  struct drop_range {
+    std::uint64_t lo, hi, left;
+  };
+  void remember_range(std::uint64_t lo, std::uint64_t hi, std::uint64_t left) noexcept {
+    try {
+      dropped_ranges_.push_back({lo, hi, left});
+    } catch (...) {
+      fail(errno_code(ENOMEM));
+    }
+  }
+  bool forget_in_range(std::uint64_t id) noexcept {
+    for (auto it = dropped_ranges_.begin(); it != dropped_ranges_.end(); ++it) {
+      if (id < it->lo || id >= it->hi) continue;
+      if (--it->left == 0) dropped_ranges_.erase(it);
+      return true;
+    }
+    return false;
+  }
+  bool is_dropped(std::uint64_t token) const noexcept {
+    return std::find(dropped_tokens_.begin(), dropped_tokens_.end(), token) != dropped_tokens_.end();
+  }
+
   // ---------------------------------------------------------------- answers
 
   reply_slot* take_slot() noexcept {
@@ -1282,9 +2171,16 @@ class engine {
     if (s != nullptr) free_slots_ = s->next_free;
     return s;
   }
+  /// Returns a slot taken a moment ago, without resuming a paused reader
+  /// (the header that took it is about to pause).
+  void put_back_slot(reply_slot* s) noexcept {
+    s->next_free = free_slots_;
+    free_slots_ = s;
+  }
 
   void free_slot(reply_slot* s) noexcept {
     s->lease.release();
+    if (stage_slot* b = std::exchange(s->bounce, nullptr)) release_slot(*b);
     s->f.reset(nullptr);
     s->f.slot = s;
     s->next_free = free_slots_;
@@ -1362,6 +2258,19 @@ class engine {
   std::vector<std::uint64_t> dropped_answers_;  // answers to drop (cancelled puts and gets)
   std::unique_ptr<reply_slot[]> slots_;
   reply_slot* free_slots_ = nullptr;
+  // ---- the staged path ----
+  std::size_t chunk_ = 0;          // bytes per bounce buffer
+  std::uint64_t peer_seg_ = 0;     // the peer's chunk (its hello), 0: no limit
+  std::uint8_t refused_ = 0;       // rows a forced path excludes (refuse_host, refuse_device)
+  std::size_t copies_ = 0;         // copies in flight (ops' and served requests')
+  stage_pool tx_{};
+  stage_pool rx_{};
+  std::vector<op*> tx_wait_;       // ops waiting for a tx slot
+  std::vector<op*> rx_wait_;       // ops waiting for an rx slot
+  op_list staging_{};              // staged ops in no other list
+  std::vector<drop_range> dropped_ranges_;  // cancelled segmented requests' answers to drop
+  bool kicking_ = false;
+  bool rekick_ = false;
 };
 
 // ---------------------------------------------------------------- op
@@ -1371,6 +2280,7 @@ inline void op::throw_error() const {
     std::string what = "message of " + std::to_string(msg_size_) + " bytes truncated to " + std::to_string(bytes_);
     throw gdr::error(ec_, what);
   }
+  if (what_ != nullptr) throw gdr::error(ec_, what_);
   throw gdr::error(ec_);
 }
 

@@ -98,6 +98,7 @@ struct protocol_stats : transfer_stats {
   std::uint64_t served_puts = 0;       ///< the peer's puts applied to registered memory
   std::uint64_t served_gets = 0;       ///< the peer's gets answered with data
   std::uint64_t refused = 0;           ///< the peer's puts/gets refused (errc::remote_access on its side)
+  std::uint64_t staged_chunks = 0;     ///< device copies of the staged path (chunks through bounce buffers)
 };
 
 /// Everything known about one finished operation:

@@ -480,15 +480,18 @@ template <class Transport, class Op, class Local>
 struct cpu_transport_rows<Transport, Op, Local, AnySpace>
     : path_row<path_kind::zero_copy, transfer_path::host_zero_copy> {};
 
+// Device memory on either side: staged through Pinned bounce buffers by
+// the protocol layer (gdr/protocol/staging.hpp), on the side that owns it.
 template <class Transport, class Op, class Local, class Remote>
-  requires local_memory_space<Local> && (space_traits<Local>::on_device)
+  requires local_memory_space<Local> && (space_traits<Local>::on_device) &&
+           (std::is_same_v<Remote, AnySpace> || local_memory_space<Remote>)
 struct cpu_transport_rows<Transport, Op, Local, Remote>
-    : unsupported_path_row<path_error::DEVICE_MEMORY_NEEDS_A_STAGED_PATH_> {};
+    : path_row<path_kind::staged, transfer_path::staged_pinned> {};
 
 template <class Transport, class Op, class Local, class Remote>
   requires host_accessible<Local> && local_memory_space<Remote> && (space_traits<Remote>::on_device)
 struct cpu_transport_rows<Transport, Op, Local, Remote>
-    : unsupported_path_row<path_error::PEER_DEVICE_MEMORY_NEEDS_A_STAGED_PATH_> {};
+    : path_row<path_kind::staged, transfer_path::staged_pinned> {};
 
 template <class Transport, class Op, class S, class R>
 struct cpu_transport_rows<Transport, Op, gdr::Remote<S>, R>

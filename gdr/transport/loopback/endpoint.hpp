@@ -383,8 +383,8 @@ using endpoint = basic_endpoint<transport>;
 /// \endcode
 inline std::pair<endpoint, endpoint> make_pair(scheduler& a, scheduler& b, memory_registry& registry = default_registry(),
                                                const options& opts = {}) {
-  if (std::error_code ec = gdr::detail::proto::decide_paths<transport>(opts.force, "pair"))
-    throw gdr::error(ec, "gdr::loopback::make_pair: the forced path is not one this transport offers");
+  auto plan = gdr::detail::proto::decide_paths<transport>(opts.force, "pair");
+  if (!plan) throw gdr::error(plan.error(), "gdr::loopback::make_pair: the forced path is not one this transport offers");
   auto st = std::make_shared<gdr::detail::lb::pair_state>();
   auto* ea = new gdr::detail::lb::end(a, registry, opts, st, 0);
   gdr::detail::lb::end* eb = nullptr;
@@ -399,6 +399,8 @@ inline std::pair<endpoint, endpoint> make_pair(scheduler& a, scheduler& b, memor
     st->ends[0] = st->obj[0] = ea;
     st->ends[1] = st->obj[1] = eb;
   }
+  ea->set_refused(plan->refused);
+  eb->set_refused(plan->refused);
   ea->start();
   eb->start();
   return {endpoint(ea), endpoint(eb)};

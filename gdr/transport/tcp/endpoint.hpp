@@ -115,9 +115,11 @@ class endpoint : public basic_endpoint<transport> {
       result<address> peer = sock.remote_address();
       who = peer ? peer->to_string() : std::string("?");
     }
-    if (std::error_code ec = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str()))
-      throw gdr::error(ec, "gdr::tcp::endpoint: the forced path is not one this transport offers");
-    return new gdr::detail::tcp::connection(sched, std::move(sock), registry, opts);
+    auto plan = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str());
+    if (!plan) throw gdr::error(plan.error(), "gdr::tcp::endpoint: the forced path is not one this transport offers");
+    auto* c = new gdr::detail::tcp::connection(sched, std::move(sock), registry, opts);
+    c->set_refused(plan->refused);
+    return c;
   }
   gdr::detail::tcp::connection* conn() const noexcept {
     return static_cast<gdr::detail::tcp::connection*>(engine_ptr());

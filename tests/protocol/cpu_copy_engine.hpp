@@ -1,0 +1,125 @@
+// A copy engine for tests on machines without a GPU: "device" memory is
+// ordinary host memory labelled gdr::Device, and copies are memcpys that
+// complete from the scheduler's loop, in order per direction, like a CUDA
+// stream's. It exists so that the staged path's states (chunking, slots,
+// truncation, cancellation and peer death while copies run, copy failures)
+// are exercised on every machine; the GPU machine runs the same tests on the
+// CUDA copy engine (gdr::cuda::event_poller).
+//
+// Knobs: `hold()` keeps every copy pending until `release()` (a transfer
+// stopped in the middle); `fail_copy(n)` fails the n-th copy from now with
+// errc::device_error. Counters: copies, bytes, the most in flight, and the
+// `after` streams it was given.
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <deque>
+#include <new>
+#include <system_error>
+#include <vector>
+
+#include <gdr/error.hpp>
+#include <gdr/protocol/staging.hpp>
+#include <gdr/sched/scheduler.hpp>
+
+namespace gdr_test_support {
+
+class cpu_copy_engine final : public gdr::copy_engine {
+ public:
+  explicit cpu_copy_engine(gdr::scheduler& s) : sched_(&s) {
+    if (!s.claim_poller_slot(static_cast<gdr::copy_engine&>(*this)))
+      throw gdr::error(gdr::errc::invalid_argument, "cpu_copy_engine: the scheduler already has a copy engine");
+    s.add_poller(*this);
+  }
+  cpu_copy_engine(const cpu_copy_engine&) = delete;
+  cpu_copy_engine& operator=(const cpu_copy_engine&) = delete;
+  ~cpu_copy_engine() override {
+    sched_->remove_poller(*this);
+    sched_->release_poller_slot(static_cast<gdr::copy_engine&>(*this));
+  }
+
+  std::error_code copy(direction d, int device, void* dst, const void* src, std::size_t n, gdr::stream_order after,
+                       completion* c) noexcept override {
+    if (n == 0 || device < 0 || dst == nullptr || src == nullptr || c == nullptr) return gdr::errc::invalid_argument;
+    try {
+      queue_[d == direction::to_host ? 0 : 1].push_back({c, dst, src, n});
+      if (after) afters.push_back(after.stream);
+    } catch (...) {
+      return gdr::errno_code(ENOMEM);
+    }
+    ++copies;
+    bytes += n;
+    ++in_flight_;
+    if (in_flight_ > max_in_flight) max_in_flight = in_flight_;
+    return {};
+  }
+
+  pinned_block allocate_pinned(std::size_t n) noexcept override {
+    auto* p = static_cast<std::byte*>(::operator new(n, std::align_val_t{64}, std::nothrow));
+    if (p != nullptr) ++pinned_blocks;
+    return {p, n, &release_block};
+  }
+
+  gdr::poll_status poll() noexcept override {
+    gdr::poll_status st;
+    if (in_flight_ == 0) return st;
+    if (held_) {
+      st.sleep_bound = std::chrono::milliseconds(1);
+      return st;
+    }
+    // Take what completes now, then complete it (a completion may resume a
+    // coroutine that queues more, or ends the test).
+    std::vector<entry> ready;
+    for (auto& q : queue_) {
+      while (!q.empty()) {
+        ready.push_back(q.front());
+        q.pop_front();
+      }
+    }
+    in_flight_ -= ready.size();
+    for (entry& e : ready) {
+      std::error_code ec;
+      if (fail_in_ > 0 && --fail_in_ == 0) {
+        ec = gdr::errc::device_error;
+      } else {
+        std::memcpy(e.dst, e.src, e.n);
+      }
+      e.c->done(e.c, ec);
+    }
+    st.did_work = !ready.empty();
+    if (in_flight_ != 0) st.sleep_bound = std::chrono::nanoseconds(0);
+    return st;
+  }
+
+  const char* name() const noexcept override { return "cpu-copies"; }
+
+  void hold() noexcept { held_ = true; }
+  void release() noexcept { held_ = false; }
+  /// The n-th copy from now (1: the next) fails with errc::device_error.
+  void fail_copy(int n) noexcept { fail_in_ = n; }
+  std::size_t in_flight() const noexcept { return in_flight_; }
+
+  std::size_t copies = 0;
+  std::size_t bytes = 0;
+  std::size_t max_in_flight = 0;
+  std::size_t pinned_blocks = 0;
+  std::vector<CUstream_st*> afters;
+
+ private:
+  struct entry {
+    completion* c;
+    void* dst;
+    const void* src;
+    std::size_t n;
+  };
+  static void release_block(std::byte* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t{64}); }
+
+  gdr::scheduler* sched_;
+  std::deque<entry> queue_[2];
+  std::size_t in_flight_ = 0;
+  bool held_ = false;
+  int fail_in_ = 0;
+};
+
+}  // namespace gdr_test_support
