@@ -419,6 +419,7 @@ class op : private gdr::detail::cancellable<op> {
   bool after_used_ = false;   // opts_.after was applied (to the first copy)
   bool waiting_ = false;      // in the engine's queue for a staging slot
   bool in_staging_ = false;   // in the engine's staging_ list
+  bool pump_due_ = false;     // in the engine's pumps_ (deferred to the end of the event)
   stage_slot* sq_head_ = nullptr;  // tx slots it holds, by offset
   stage_slot* sq_tail_ = nullptr;
   early_msg* early_ = nullptr;     // recv: a kept message to deliver once an rx slot is free
@@ -540,6 +541,7 @@ class engine {
         o->waiter_.resume();  // may start ops, or destroy the endpoint
       }
       if (busy_ != 1) break;
+      if (run_deferred()) continue;
       if (link_flush()) continue;
       break;
     }
@@ -1083,6 +1085,10 @@ class engine {
       o.in_staging_ = false;
     }
     if (o.waiting_) stop_waiting(o);
+    if (o.pump_due_) {
+      std::erase(pumps_, &o);
+      o.pump_due_ = false;
+    }
     if (o.early_ != nullptr) {
       delete o.early_;
       o.early_ = nullptr;
@@ -1678,27 +1684,53 @@ class engine {
   /// waiting for one.
   void slot_freed(bool rx) noexcept {
     resume_reading();
-    if (kicking_) {
-      rekick_ = true;
-      return;
-    }
-    kicking_ = true;
-    do {
-      rekick_ = false;
-      std::vector<op*>& q = rx ? rx_wait_ : tx_wait_;
-      while (!q.empty() && (rx ? rx_.free : tx_.free) != nullptr) {
-        op* o = q.front();
-        q.erase(q.begin());
-        o->waiting_ = false;
-        if (rx) {
-          try_deliver_early(*o);
-        } else {
-          pump(*o);
-        }
-      }
-    } while (rekick_);
-    kicking_ = false;
+    // The waiters go on at the end of the event (run_deferred): a slot is
+    // often freed from inside the transport's own bookkeeping (on_sent),
+    // where posting a frame is not allowed.
+    (rx ? kick_rx_ : kick_tx_) = true;
+    if (busy_ == 0) post_resume();
   }
+
+  /// `o` is to be pumped at the end of the current event.
+  void defer_pump(op& o) noexcept {
+    if (o.pump_due_ || o.result_set_) return;
+    try {
+      pumps_.push_back(&o);
+      o.pump_due_ = true;
+    } catch (...) {
+      complete(o, errno_code(ENOMEM));
+    }
+  }
+
+  /// What segment bookkeeping left for the end of the event: waiters for
+  /// freed slots, and pumps. True if it did anything.
+  bool run_deferred() noexcept {
+    if (!kick_tx_ && !kick_rx_ && pumps_.empty()) return false;
+    if (std::exchange(kick_rx_, false)) kick_waiters(true);
+    if (std::exchange(kick_tx_, false)) kick_waiters(false);
+    while (!pumps_.empty()) {
+      op* o = pumps_.front();
+      pumps_.erase(pumps_.begin());
+      o->pump_due_ = false;
+      pump(*o);
+    }
+    return true;
+  }
+
+  void kick_waiters(bool rx) noexcept {
+    std::vector<op*>& q = rx ? rx_wait_ : tx_wait_;
+    while (!q.empty() && (rx ? rx_.free : tx_.free) != nullptr) {
+      op* o = q.front();
+      q.erase(q.begin());
+      o->waiting_ = false;
+      if (rx) {
+        try_deliver_early(*o);
+      } else {
+        pump(*o);
+      }
+    }
+  }
+
 
   void wait_for_slot(op& o, bool rx) noexcept {
     if (o.waiting_) return;
@@ -2050,7 +2082,7 @@ class engine {
       }
     }
     try_finish(o);
-    pump(o);
+    defer_pump(o);  // not from inside on_sent: the transport is mid-bookkeeping
   }
 
   /// Takes back what `o`'s segments still hold: frames not yet committed
@@ -2269,8 +2301,9 @@ class engine {
   std::vector<op*> rx_wait_;       // ops waiting for an rx slot
   op_list staging_{};              // staged ops in no other list
   std::vector<drop_range> dropped_ranges_;  // cancelled segmented requests' answers to drop
-  bool kicking_ = false;
-  bool rekick_ = false;
+  bool kick_tx_ = false;          // tx slots came free: waiters go on (run_deferred)
+  bool kick_rx_ = false;
+  std::vector<op*> pumps_;        // ops to pump at the end of the event
 };
 
 // ---------------------------------------------------------------- op

@@ -1,0 +1,97 @@
+// Device memory for the staged path's tests, on the machine at hand:
+//   * built with CUDA (GDR_HAS_CUDA=1), real GPU memory (cudaMalloc) and the
+//     CUDA copy engine (gdr::cuda::event_poller); without a usable GPU the
+//     tests skip and say why;
+//   * built without CUDA, host memory labelled gdr::Device and the CPU copy
+//     engine (tests/protocol/cpu_copy_engine.hpp), so that the pipeline's
+//     states are tested everywhere.
+// `dev_mem` is a device allocation with host-side fill and read-back; `env`
+// is what a scheduler needs for Device operations.
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gdr/memory/view.hpp>
+#include <gdr/sched/scheduler.hpp>
+
+#if GDR_HAS_CUDA
+#include <gdr/cuda/device.hpp>
+#include <gdr/cuda/event_poller.hpp>
+#include <gdr/cuda/stream.hpp>
+#else
+#include "tests/protocol/cpu_copy_engine.hpp"
+#endif
+
+namespace staged {
+
+#if GDR_HAS_CUDA
+inline constexpr bool real_gpu = true;
+
+/// Why Device tests cannot run here ("" when they can).
+inline std::string unavailable() { return gdr::cuda::device_unavailable_reason(0); }
+
+/// What a scheduler needs for Device operations: the CUDA event poller,
+/// which is also its copy engine.
+struct env {
+  explicit env(gdr::scheduler& s) : ev(s) {}
+  gdr::cuda::event_poller ev;
+  // The CPU engine's knobs do not exist on a GPU.
+  static constexpr bool has_knobs = false;
+};
+
+class dev_mem {
+ public:
+  explicit dev_mem(std::size_t n) : n_(n) {
+    gdr::cuda::device_guard g(0);
+    if (cudaMalloc(&p_, n == 0 ? 1 : n) != cudaSuccess) throw std::bad_alloc();
+  }
+  dev_mem(const dev_mem&) = delete;
+  dev_mem& operator=(const dev_mem&) = delete;
+  ~dev_mem() { (void)cudaFree(p_); }
+  gdr::view<std::byte, gdr::Device> view() const noexcept { return {static_cast<std::byte*>(p_), n_, 0}; }
+  void fill(const std::vector<std::byte>& v) {
+    if (!v.empty()) (void)cudaMemcpy(p_, v.data(), std::min(v.size(), n_), cudaMemcpyHostToDevice);
+  }
+  void set(std::byte b) { (void)cudaMemset(p_, static_cast<int>(b), n_); }
+  std::vector<std::byte> read() const {
+    std::vector<std::byte> v(n_);
+    if (n_ != 0) (void)cudaMemcpy(v.data(), p_, n_, cudaMemcpyDeviceToHost);
+    return v;
+  }
+  std::size_t size() const noexcept { return n_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t n_;
+};
+
+#else
+inline constexpr bool real_gpu = false;
+
+inline std::string unavailable() { return {}; }
+
+struct env {
+  explicit env(gdr::scheduler& s) : ce(s) {}
+  gdr_test_support::cpu_copy_engine ce;
+  static constexpr bool has_knobs = true;
+};
+
+class dev_mem {
+ public:
+  explicit dev_mem(std::size_t n) : m_(n) {}
+  gdr::view<std::byte, gdr::Device> view() noexcept { return {m_.data(), m_.size(), 0}; }
+  void fill(const std::vector<std::byte>& v) { std::memcpy(m_.data(), v.data(), std::min(v.size(), m_.size())); }
+  void set(std::byte b) { std::fill(m_.begin(), m_.end(), b); }
+  std::vector<std::byte> read() const { return m_; }
+  std::size_t size() const noexcept { return m_.size(); }
+
+ private:
+  std::vector<std::byte> m_;
+};
+#endif
+
+}  // namespace staged
