@@ -58,11 +58,31 @@
 /// runs the scheduler, with `res` = 0 on success or the negated `cudaError_t`.
 /// Context-poisoning CUDA errors abort (gdr/cuda/error.hpp).
 ///
+/// The staged path's copy engine
+/// =============================
+/// The poller is also the scheduler's `gdr::copy_engine`
+/// (gdr/protocol/staging.hpp): it takes that slot too, unless another copy
+/// engine already holds it (that one stays). `copy()` queues a
+/// `cudaMemcpyAsync` on one of the poller's own non-blocking streams, one per
+/// GPU and direction, created on first use: so device-to-host and
+/// host-to-device copies run on the GPU's two copy engines at once, and copies
+/// of one direction complete in order. An event recorded after the copy goes
+/// into that stream's FIFO like any other, carried by a node the poller owns
+/// (a freelist, grown when every node is in flight). `after` orders the copy
+/// behind the work already on a user's stream with no host synchronize: an
+/// event recorded on that stream, `cudaStreamWaitEvent` on the internal one,
+/// and the event goes straight back to the pool (the wait keeps the state
+/// the event had when it was called). A finished copy's node goes back to the
+/// freelist before its completion runs, and at most 64 copies complete per
+/// poll (their completions are kept in poll()'s frame, where destroying the
+/// poller cannot reach them); more makes the loop poll again at once.
+///
 /// Ownership: the poller is created by the user, one per scheduler, and adds
 /// itself to it (`event_poller events(sched);`); awaitables find it through
 /// `event_poller::of(scheduler)`. It must outlive every operation queued on
 /// it; its destructor waits for host functions still in flight (they point at
-/// it) and destroys the pooled events.
+/// it) and destroys the pooled events and its copy streams. The staged path
+/// finds it as `gdr::copy_engine::of(scheduler)`.
 ///
 /// \code
 ///   gdr::scheduler sched;
@@ -79,19 +99,24 @@
 #include <gdr/cuda/error.hpp>
 #include <gdr/cuda/stream.hpp>
 
+#include <array>
 #include <atomic>
 #include <cassert>
 #include <chrono>
 #include <coroutine>
+#include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include <gdr/error.hpp>
+#include <gdr/protocol/staging.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/common.hpp>
 
 namespace gdr::cuda {
 
@@ -119,6 +144,9 @@ struct event_poller_stats {
   std::uint64_t events_created = 0;  ///< events created (the pool reuses them)
   std::uint64_t host_funcs = 0;      ///< host functions enqueued (strategy A)
   std::uint64_t host_func_failures = 0;  ///< `cudaLaunchHostFunc` failures (fell back to B)
+  std::uint64_t copies = 0;          ///< copy-engine copies queued (also counted in `enqueued`)
+  std::uint64_t copy_nodes = 0;      ///< nodes created to track them (the freelist reuses them)
+  std::uint64_t streams_created = 0;  ///< internal copy streams (one per GPU and direction used)
 };
 
 class event_poller;
@@ -136,6 +164,7 @@ class event_operation : public operation {
   event_operation* next_ = nullptr;
   int device_ = 0;
   bool signalled_ = false;  // a host function will wake the loop for it
+  bool copy_ = false;       // one of the poller's own copy nodes (copy_engine::copy)
   // cudaEventQuery's answer, between poll()'s two passes. cudaError_t values
   // stay below 2^15 (the largest, cudaErrorApiFailureBase, is 10000; a larger
   // one would be kept as cudaErrorUnknown); int16 keeps the operation at 32
@@ -143,26 +172,33 @@ class event_operation : public operation {
   std::int16_t query_ = 0;
 };
 
-/// The CUDA event poller of one scheduler. See the file comment.
+/// The CUDA event poller of one scheduler, and its CUDA copy engine. See the
+/// file comment.
 ///
-/// Thread-safety: construction, destruction, `enqueue` and `poll` on the
-/// scheduler's thread (construction before the loop runs is fine); `of` from
-/// any thread.
-class event_poller final : public poller {
+/// Thread-safety: construction, destruction, `enqueue`, `copy`, `poll` and
+/// `free_pinned` on the scheduler's thread (construction before the loop runs
+/// is fine); `of` and `allocate_pinned` from any thread.
+class event_poller final : public copy_engine {
  public:
-  /// The scheduler's slot this poller takes (`scheduler::poller_slot`).
+  /// The scheduler's slot this poller takes (`scheduler::poller_slot`). It
+  /// also takes the `copy_engine` slot when that one is free.
   static constexpr poller_kind kind = poller_kind::cuda_events;
 
-  /// Creates the poller and adds it to `s`. Throws `gdr::error`
-  /// (`errc::invalid_argument`) if `s` already has one.
+  /// Creates the poller and adds it to `s`, as its event poller and, unless
+  /// `s` already has one, its copy engine. Throws `gdr::error`
+  /// (`errc::invalid_argument`) if `s` already has an event poller.
   explicit event_poller(scheduler& s, event_poller_options opts = {}) : sched_(&s), opts_(opts) {
     wake_.sched = &s;
     if (!s.claim_poller_slot(*this))
       throw error(make_error_code(errc::invalid_argument),
                   "gdr::cuda::event_poller: this scheduler already has an event poller");
+    // Another copy engine (a test's, say) keeps its slot; this poller is then
+    // only the event poller.
+    copy_slot_ = s.claim_poller_slot(static_cast<copy_engine&>(*this));
     try {
-      s.add_poller(*this);
+      s.add_poller(*this);  // once: one poll serves both roles
     } catch (...) {  // out of memory growing the poller list: leave no trace
+      if (copy_slot_) s.release_poller_slot(static_cast<copy_engine&>(*this));
       s.release_poller_slot(*this);
       throw;
     }
@@ -172,21 +208,29 @@ class event_poller final : public poller {
   event_poller& operator=(const event_poller&) = delete;
 
   /// Removes the poller from its scheduler, waits for host functions still in
-  /// flight, and destroys the pooled events. Operations still queued are a
-  /// bug of the caller (their coroutines would never resume); asserted.
+  /// flight, and destroys the copy streams and the pooled events. Operations
+  /// and copies still queued are a bug of the caller (their coroutines would
+  /// never resume); asserted.
   ~event_poller() override {
     assert(pending_ == 0 && "gdr::cuda::event_poller destroyed with GPU operations pending");
     sched_->remove_poller(*this);
+    if (copy_slot_) sched_->release_poller_slot(static_cast<copy_engine&>(*this));
     sched_->release_poller_slot(*this);
     // A host function runs after its event completed, possibly after the
     // operation was completed by polling; it still points at wake_.
     while (wake_.outstanding.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+    // Nothing is pending, so the streams are idle (and cudaStreamDestroy
+    // would let queued work finish anyway).
+    for (auto& per_device : copy_streams_)
+      for (cudaStream_t st : per_device)
+        if (st != nullptr) check_or_log(cudaStreamDestroy(st), "cudaStreamDestroy (copy stream)");
     for (auto& pool : free_)
       for (cudaEvent_t e : pool) check_or_log(cudaEventDestroy(e), "cudaEventDestroy");
   }
 
   /// The poller attached to `s`, or nullptr. A pointer load from the
   /// scheduler's slot table: no lock, no search (every GPU await calls it).
+  /// (`copy_engine::of(s)` finds the copy engine, usually this same poller.)
   static event_poller* of(const scheduler& s) noexcept { return s.poller_slot<event_poller>(); }
 
   /// Records an event on `stream` (of GPU `device`) after the work queued on
@@ -201,6 +245,206 @@ class event_poller final : public poller {
       release_event(device, ev);
       return ec;
     }
+    op->copy_ = false;
+    push(stream, device, op, ev);
+    return {};
+  }
+
+  /// `copy_engine::copy`: queues `cudaMemcpyAsync` on the poller's stream for
+  /// GPU `device` and direction `d` (created on first use), after the work on
+  /// `after.stream` when `after` is set, and completes `c` from `poll()` once
+  /// an event recorded after the copy has completed: `ec` empty, or the CUDA
+  /// error. Copies of one direction and GPU complete in the order queued.
+  ///
+  /// Returns, without completing `c`: `errc::invalid_argument` for `n == 0`,
+  /// `device < 0`, a null pointer or `done`, or `after` without a device;
+  /// `std::errc::not_enough_memory`; or the CUDA error of a call that
+  /// failed (a missing GPU, a bad ordinal, a pointer the driver rejects). No
+  /// copy touches `dst` or `src` after an error is returned. Loop thread only.
+  std::error_code copy(direction d, int device, void* dst, const void* src, std::size_t n, stream_order after,
+                       completion* c) noexcept override {
+    if (n == 0 || device < 0 || dst == nullptr || src == nullptr || c == nullptr || c->done == nullptr ||
+        (after && after.device < 0))
+      return make_error_code(errc::invalid_argument);
+    cudaStream_t s = nullptr;
+    if (std::error_code ec = copy_stream(device, d, &s)) return ec;
+    // Everything that can run out first, so that once the copy is queued
+    // only recording its event remains.
+    copy_node* node = take_node();
+    if (node == nullptr) return make_error_code(std::errc::not_enough_memory);
+    cudaEvent_t ev = nullptr;
+    if (std::error_code ec = acquire_event(device, &ev)) {
+      recycle(node);
+      return ec;
+    }
+    std::error_code ec;
+    if (after) ec = order_after(after, s);
+    if (!ec) {
+      const cudaMemcpyKind kind = d == direction::to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+      ec = check(cudaMemcpyAsync(dst, src, n, kind, s), "cudaMemcpyAsync");
+      if (!ec && (ec = check(cudaEventRecord(ev, s), "cudaEventRecord"))) {
+        // The copy is queued and cannot be recalled. The caller is told it
+        // failed and may reuse the buffers: wait for the copy here (an
+        // error path of an error path; a host wait is acceptable).
+        check_or_log(cudaStreamSynchronize(s), "cudaStreamSynchronize (after a failed cudaEventRecord)");
+      }
+    }
+    if (ec) {
+      release_event(device, ev);
+      recycle(node);
+      return ec;
+    }
+    node->copy_ = true;
+    node->done_ = c;
+    push(s, device, node, ev);
+    ++stats_.copies;
+    return {};
+  }
+
+  /// `copy_engine::allocate_pinned`: `cudaHostAlloc(cudaHostAllocPortable)`
+  /// (page-locked for every GPU), or null (`n == 0`, no GPU, out of memory).
+  std::byte* allocate_pinned(std::size_t n) noexcept override {
+    if (n == 0) return nullptr;
+    void* p = nullptr;
+    if (check(cudaHostAlloc(&p, n, cudaHostAllocPortable), "cudaHostAlloc")) return nullptr;
+    return static_cast<std::byte*>(p);
+  }
+
+  /// `copy_engine::free_pinned`: `cudaFreeHost`; null is ignored.
+  void free_pinned(std::byte* p, std::size_t) noexcept override {
+    if (p != nullptr) check_or_log(cudaFreeHost(p), "cudaFreeHost");
+  }
+
+  /// Completes every operation whose event has finished: per stream, the
+  /// FIFO's head while ready. Loop thread only (the scheduler calls it).
+  ///
+  /// The finished operations are first taken off their FIFOs and the
+  /// poller's books closed; only then are they completed, and `this` is not
+  /// touched after the first completion: completing one resumes a coroutine,
+  /// and that coroutine may destroy this poller (a scope holding both the
+  /// poller and the last copy ends right there), or enqueue more work. Copy
+  /// nodes are the poller's own, so they go back to the freelist in the first
+  /// pass and what their completions need is copied into this frame.
+  poll_status poll() noexcept override {
+    poll_status st;
+    if (pending_ == 0) return st;
+    event_operation* ready = nullptr;  // finished operations, in completion order
+    event_operation** ready_tail = &ready;
+    finished_copy copies[max_copies_per_poll];  // finished copies, in completion order
+    std::size_t n_copies = 0;
+    bool more = false;  // copies left for the next poll
+    for (fifo& f : fifos_) {
+      while (event_operation* op = f.head) {
+        if (op->copy_ && n_copies == max_copies_per_poll) {
+          more = true;
+          break;
+        }
+        ++stats_.queries;
+        cudaError_t e = cudaEventQuery(op->event_);
+        if (e == cudaErrorNotReady) {
+          // Later events on this stream cannot be done either: stop here.
+          (void)cudaGetLastError();
+          break;
+        }
+        f.head = op->next_;
+        if (f.head == nullptr) f.tail = nullptr;
+        --pending_;
+        if (!op->signalled_) --unsignalled_;
+        (void)check(e, "cudaEventQuery");  // aborts on a poisoned context
+        op->query_ = static_cast<std::int16_t>(static_cast<int>(e) <= INT16_MAX ? e : cudaErrorUnknown);
+        release_event(op->device_, op->event_);
+        op->event_ = nullptr;
+        op->next_ = nullptr;
+        ++stats_.completed;
+        if (op->copy_) {
+          auto* node = static_cast<copy_node*>(op);
+          copies[n_copies++] = {node->done_, node->query_};
+          recycle(node);
+          continue;
+        }
+        *ready_tail = op;
+        ready_tail = &op->next_;
+      }
+    }
+    // Forget streams with nothing queued (streams come and go).
+    std::erase_if(fifos_, [](const fifo& f) { return f.head == nullptr; });
+    if (pending_ != 0) {
+      // (A) covers a pending event only if a host function will fire for it.
+      st.sleep_bound = unsignalled_ == 0 ? std::chrono::nanoseconds::max() : opts_.poll_interval;
+    }
+    st.did_work = ready != nullptr || n_copies != 0 || more;
+    // From here on: locals only (see above).
+    for (std::size_t i = 0; i < n_copies; ++i) {
+      completion* c = copies[i].done;
+      const cudaError_t e = static_cast<cudaError_t>(copies[i].query);
+      c->done(c, e == cudaSuccess ? std::error_code{} : make_error_code(e));
+    }
+    while (event_operation* op = ready) {
+      ready = op->next_;  // read first: completing may free *op
+      op->complete(op, -static_cast<int>(op->query_), 0);  // 0 on success
+    }
+    return st;
+  }
+
+  const char* name() const noexcept override { return "cuda-events"; }
+
+  /// Operations and copies queued and not yet completed.
+  std::size_t pending() const noexcept { return pending_; }
+  const event_poller_options& options() const noexcept { return opts_; }
+  const event_poller_stats& stats() const noexcept { return stats_; }
+  /// Host functions that have run (strategy A); written by the driver's thread.
+  std::uint64_t host_funcs_run() const noexcept { return wake_.fired.load(std::memory_order_relaxed); }
+  scheduler& sched() const noexcept { return *sched_; }
+  /// Whether this poller holds its scheduler's `copy_engine` slot.
+  bool is_copy_engine() const noexcept { return copy_slot_; }
+
+ private:
+  struct fifo {
+    cudaStream_t stream = nullptr;
+    event_operation* head = nullptr;
+    event_operation* tail = nullptr;
+  };
+
+  // What a queued copy completes; the poller owns these (nodes_).
+  struct copy_node : event_operation {
+    completion* done_ = nullptr;
+  };
+
+  // A finished copy, as poll() keeps it between its two passes.
+  struct finished_copy {
+    completion* done;
+    std::int16_t query;
+  };
+  // Bounds poll()'s frame (16 bytes each). The staged path keeps a few chunks
+  // in flight per endpoint, so one poll rarely finds more.
+  static constexpr std::size_t max_copies_per_poll = 64;
+
+  // What a host function touches: the scheduler to wake, and a count the
+  // destructor waits on. Lives in the poller, which is not movable.
+  struct wake_state {
+    scheduler* sched = nullptr;
+    std::atomic<int> outstanding{0};
+    std::atomic<std::uint64_t> fired{0};
+  };
+
+  // Runs on a CUDA driver thread: no CUDA calls allowed, none made.
+  static void CUDART_CB on_host_func(void* p) {
+    auto* w = static_cast<wake_state*>(p);
+    w->fired.fetch_add(1, std::memory_order_relaxed);
+    w->sched->wake();
+    // Last touch of *w: the destructor may free it once this is seen.
+    w->outstanding.fetch_sub(1, std::memory_order_release);
+  }
+
+  fifo& fifo_of(cudaStream_t s) {
+    for (fifo& f : fifos_)
+      if (f.stream == s) return f;
+    fifos_.push_back(fifo{s, nullptr, nullptr});
+    return fifos_.back();
+  }
+
+  // Queues `op` behind event `ev`, already recorded on `stream`.
+  void push(cudaStream_t stream, int device, event_operation* op, cudaEvent_t ev) noexcept {
     op->event_ = ev;
     op->device_ = device;
     op->next_ = nullptr;
@@ -227,99 +471,72 @@ class event_poller final : public poller {
     f.tail = op;
     ++pending_;
     ++stats_.enqueued;
+  }
+
+  // The poller's stream for copies in direction `d` on GPU `device`, created
+  // on first use. Non-blocking: work other code puts on the legacy default
+  // stream does not stall the staged path.
+  std::error_code copy_stream(int device, direction d, cudaStream_t* out) noexcept {
+    const std::size_t i = d == direction::to_host ? 0 : 1;
+    const auto dev = static_cast<std::size_t>(device);
+    if (dev < copy_streams_.size() && copy_streams_[dev][i] != nullptr) {
+      *out = copy_streams_[dev][i];
+      return {};
+    }
+    // Streams belong to the device current at creation. A bad ordinal fails
+    // here, before the table grows for it.
+    cudaStream_t s = nullptr;
+    {
+      device_guard guard(device);
+      if (guard.error()) return guard.error();
+      if (std::error_code ec = check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"))
+        return ec;
+    }
+    try {
+      if (dev >= copy_streams_.size()) copy_streams_.resize(dev + 1);
+    } catch (...) {
+      check_or_log(cudaStreamDestroy(s), "cudaStreamDestroy");
+      return make_error_code(std::errc::not_enough_memory);
+    }
+    copy_streams_[dev][i] = s;
+    ++stats_.streams_created;
+    *out = s;
     return {};
   }
 
-  /// Completes every operation whose event has finished: per stream, the
-  /// FIFO's head while ready. Loop thread only (the scheduler calls it).
-  ///
-  /// The finished operations are first taken off their FIFOs and the
-  /// poller's books closed; only then are they completed, and `this` is not
-  /// touched after the first completion: completing one resumes a coroutine,
-  /// and that coroutine may destroy this poller (a scope holding both the
-  /// poller and the last copy ends right there), or enqueue more work.
-  poll_status poll() noexcept override {
-    poll_status st;
-    if (pending_ == 0) return st;
-    event_operation* ready = nullptr;  // finished operations, in completion order
-    event_operation** ready_tail = &ready;
-    for (fifo& f : fifos_) {
-      while (event_operation* op = f.head) {
-        ++stats_.queries;
-        cudaError_t e = cudaEventQuery(op->event_);
-        if (e == cudaErrorNotReady) {
-          // Later events on this stream cannot be done either: stop here.
-          (void)cudaGetLastError();
-          break;
-        }
-        f.head = op->next_;
-        if (f.head == nullptr) f.tail = nullptr;
-        --pending_;
-        if (!op->signalled_) --unsignalled_;
-        (void)check(e, "cudaEventQuery");  // aborts on a poisoned context
-        op->query_ = static_cast<std::int16_t>(static_cast<int>(e) <= INT16_MAX ? e : cudaErrorUnknown);
-        release_event(op->device_, op->event_);
-        op->event_ = nullptr;
-        op->next_ = nullptr;
-        *ready_tail = op;
-        ready_tail = &op->next_;
-        ++stats_.completed;
-      }
-    }
-    // Forget streams with nothing queued (streams come and go).
-    std::erase_if(fifos_, [](const fifo& f) { return f.head == nullptr; });
-    if (pending_ != 0) {
-      // (A) covers a pending event only if a host function will fire for it.
-      st.sleep_bound = unsignalled_ == 0 ? std::chrono::nanoseconds::max() : opts_.poll_interval;
-    }
-    st.did_work = ready != nullptr;
-    // From here on: locals only (see above).
-    while (event_operation* op = ready) {
-      ready = op->next_;  // read first: completing may free *op
-      op->complete(op, -static_cast<int>(op->query_), 0);  // 0 on success
-    }
-    return st;
+  // Makes `s` wait for the work already queued on `after.stream`, on the GPU.
+  std::error_code order_after(stream_order after, cudaStream_t s) noexcept {
+    cudaEvent_t ev = nullptr;
+    if (std::error_code ec = acquire_event(after.device, &ev)) return ec;
+    std::error_code ec = check(cudaEventRecord(ev, after.stream), "cudaEventRecord (after)");
+    if (!ec) ec = check(cudaStreamWaitEvent(s, ev, 0), "cudaStreamWaitEvent");
+    // Back to the pool at once, even if recorded again before `s` gets
+    // there: the wait is on the event as it was when cudaStreamWaitEvent
+    // was called.
+    release_event(after.device, ev);
+    return ec;
   }
 
-  const char* name() const noexcept override { return "cuda-events"; }
-
-  /// Operations queued and not yet completed.
-  std::size_t pending() const noexcept { return pending_; }
-  const event_poller_options& options() const noexcept { return opts_; }
-  const event_poller_stats& stats() const noexcept { return stats_; }
-  /// Host functions that have run (strategy A); written by the driver's thread.
-  std::uint64_t host_funcs_run() const noexcept { return wake_.fired.load(std::memory_order_relaxed); }
-  scheduler& sched() const noexcept { return *sched_; }
-
- private:
-  struct fifo {
-    cudaStream_t stream = nullptr;
-    event_operation* head = nullptr;
-    event_operation* tail = nullptr;
-  };
-
-  // What a host function touches: the scheduler to wake, and a count the
-  // destructor waits on. Lives in the poller, which is not movable.
-  struct wake_state {
-    scheduler* sched = nullptr;
-    std::atomic<int> outstanding{0};
-    std::atomic<std::uint64_t> fired{0};
-  };
-
-  // Runs on a CUDA driver thread: no CUDA calls allowed, none made.
-  static void CUDART_CB on_host_func(void* p) {
-    auto* w = static_cast<wake_state*>(p);
-    w->fired.fetch_add(1, std::memory_order_relaxed);
-    w->sched->wake();
-    // Last touch of *w: the destructor may free it once this is seen.
-    w->outstanding.fetch_sub(1, std::memory_order_release);
+  copy_node* take_node() noexcept {
+    if (copy_node* n = free_nodes_) {
+      free_nodes_ = static_cast<copy_node*>(n->next_);
+      n->next_ = nullptr;
+      return n;
+    }
+    try {
+      nodes_.emplace_back();  // a deque: nodes never move
+    } catch (...) {
+      return nullptr;
+    }
+    ++stats_.copy_nodes;
+    return &nodes_.back();
   }
 
-  fifo& fifo_of(cudaStream_t s) {
-    for (fifo& f : fifos_)
-      if (f.stream == s) return f;
-    fifos_.push_back(fifo{s, nullptr, nullptr});
-    return fifos_.back();
+  void recycle(copy_node* n) noexcept {
+    n->copy_ = false;
+    n->done_ = nullptr;
+    n->next_ = free_nodes_;
+    free_nodes_ = n;
   }
 
   std::error_code acquire_event(int device, cudaEvent_t* out) noexcept {
@@ -352,8 +569,12 @@ class event_poller final : public poller {
   event_poller_options opts_;
   std::vector<fifo> fifos_;
   std::vector<std::vector<cudaEvent_t>> free_;  // per device ordinal
+  std::vector<std::array<cudaStream_t, 2>> copy_streams_;  // per device: to_host, to_device
+  std::deque<copy_node> nodes_;  // every copy node ever made
+  copy_node* free_nodes_ = nullptr;  // those not in flight, linked by next_
   std::size_t pending_ = 0;
   std::size_t unsignalled_ = 0;
+  bool copy_slot_ = false;  // holds the scheduler's copy_engine slot
   wake_state wake_;
   event_poller_stats stats_;
 };

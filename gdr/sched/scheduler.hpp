@@ -742,7 +742,7 @@ class scheduler {
 namespace detail {
 
 /// Test access to a scheduler's wake-up path, for tests of its failure
-/// handling. Not for production use.
+/// handling, and to its poller set. Not for production use.
 struct scheduler_testing {
   /// Makes other loops' MSG_RING wake-ups to `s` fail in the kernel: they
   /// are sent to its eventfd, which is not a ring (EBADFD). Call before
@@ -750,6 +750,9 @@ struct scheduler_testing {
   static void misdirect_msg_ring(scheduler& s) noexcept { s.msg_ring_fd_ = s.channel_->fd; }
   /// Whether other loops wake `s` with MSG_RING (false: through its eventfd).
   static bool wakes_by_msg_ring(const scheduler& s) noexcept { return s.msg_ring_fd_ >= 0; }
+  /// How many pollers `s` polls each iteration (a poller in two slots is
+  /// still polled once).
+  static std::size_t poller_count(const scheduler& s) noexcept { return s.pollers_.size(); }
 };
 
 }  // namespace detail
