@@ -175,9 +175,9 @@ class event_operation : public operation {
 /// The CUDA event poller of one scheduler, and its CUDA copy engine. See the
 /// file comment.
 ///
-/// Thread-safety: construction, destruction, `enqueue`, `copy`, `poll` and
-/// `free_pinned` on the scheduler's thread (construction before the loop runs
-/// is fine); `of` and `allocate_pinned` from any thread.
+/// Thread-safety: construction, destruction, `enqueue`, `copy` and `poll` on
+/// the scheduler's thread (construction before the loop runs is fine); `of`,
+/// `allocate_pinned` and `free_pinned` from any thread.
 class event_poller final : public copy_engine {
  public:
   /// The scheduler's slot this poller takes (`scheduler::poller_slot`). It
@@ -302,16 +302,18 @@ class event_poller final : public copy_engine {
   }
 
   /// `copy_engine::allocate_pinned`: `cudaHostAlloc(cudaHostAllocPortable)`
-  /// (page-locked for every GPU), or null (`n == 0`, no GPU, out of memory).
-  std::byte* allocate_pinned(std::size_t n) noexcept override {
-    if (n == 0) return nullptr;
+  /// (page-locked for every GPU), freed with `cudaFreeHost` (which needs
+  /// no poller: an endpoint may free its bounce buffers after this poller
+  /// is gone). `data` is null for `n == 0`, without a GPU, or out of memory.
+  pinned_block allocate_pinned(std::size_t n) noexcept override {
+    if (n == 0) return {};
     void* p = nullptr;
-    if (check(cudaHostAlloc(&p, n, cudaHostAllocPortable), "cudaHostAlloc")) return nullptr;
-    return static_cast<std::byte*>(p);
+    if (check(cudaHostAlloc(&p, n, cudaHostAllocPortable), "cudaHostAlloc")) return {};
+    return {static_cast<std::byte*>(p), n, &free_pinned};
   }
 
-  /// `copy_engine::free_pinned`: `cudaFreeHost`; null is ignored.
-  void free_pinned(std::byte* p, std::size_t) noexcept override {
+  /// Frees what `allocate_pinned` returned; null is ignored.
+  static void free_pinned(std::byte* p, std::size_t) noexcept {
     if (p != nullptr) check_or_log(cudaFreeHost(p), "cudaFreeHost");
   }
 

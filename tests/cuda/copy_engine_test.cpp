@@ -95,16 +95,16 @@ copy_wait copied(gdr::copy_engine& e, direction d, void* dst, const void* src, s
 // Pinned memory from a copy engine, given back to it.
 class pinned {
  public:
-  pinned(gdr::copy_engine& e, std::size_t n) : e_(&e), p_(e.allocate_pinned(n)), n_(n) {}
+  pinned(gdr::copy_engine& e, std::size_t n) : b_(e.allocate_pinned(n)) {}
   pinned(const pinned&) = delete;
   pinned& operator=(const pinned&) = delete;
-  ~pinned() { e_->free_pinned(p_, n_); }
-  unsigned char* data() const noexcept { return reinterpret_cast<unsigned char*>(p_); }
+  ~pinned() {
+    if (b_.data != nullptr) b_.release(b_.data, b_.size);
+  }
+  unsigned char* data() const noexcept { return reinterpret_cast<unsigned char*>(b_.data); }
 
  private:
-  gdr::copy_engine* e_;
-  std::byte* p_;
-  std::size_t n_;
+  gdr::copy_engine::pinned_block b_;
 };
 
 // A copy engine that is not CUDA's (as a test without a GPU would install).
@@ -116,8 +116,7 @@ class other_engine final : public gdr::copy_engine {
                        completion*) noexcept override {
     return make_error_code(gdr::errc::unsupported);
   }
-  std::byte* allocate_pinned(std::size_t) noexcept override { return nullptr; }
-  void free_pinned(std::byte*, std::size_t) noexcept override {}
+  pinned_block allocate_pinned(std::size_t) noexcept override { return {}; }
   gdr::poll_status poll() noexcept override { return {}; }
   const char* name() const noexcept override { return "other"; }
   bool claimed = false;

@@ -277,14 +277,14 @@ TEST_CASE_TEMPLATE("a staged receive stopped in the middle returns every bounce 
     src.fill(p);
     qs.fill(q);
     std::stop_source stop;
-    if constexpr (staged::env::has_knobs) env->ce.hold();  // copies wait: the transfer stops mid-way
+    if constexpr (staged::env::has_knobs) env->hold();  // copies wait: the transfer stops mid-way
     auto [s, r, x] = co_await gdr::when_all(report_of(a.send(src.view())), report_of(b.recv(dst.view(), {stop.get_token()})),
                                             [&]() -> gdr::task<int> {
                                               co_await gdr::sleep_for(3ms);
                                               stop.request_stop();
                                               if constexpr (staged::env::has_knobs) {
                                                 co_await gdr::sleep_for(3ms);
-                                                env->ce.release();
+                                                env->release();
                                               }
                                               co_return 0;
                                             }());
@@ -357,11 +357,11 @@ TEST_CASE_TEMPLATE("a failed copy fails its operation with the copy's error, and
     auto p = pattern(1000, 1);
     staged::dev_mem s(1000), d(1000);
     s.fill(p);
-    if constexpr (staged::env::has_knobs) env->ce.fail_copy(1);  // the sender's copy out
+    if constexpr (staged::env::has_knobs) env->fail_copy(1);  // the sender's copy out
     op_report r = co_await report_of(a.send(s.view()));
     CHECK(r.error == errc::device_error);
     // Receive side: the copy into the device fails.
-    if constexpr (staged::env::has_knobs) env->ce.fail_copy(2);  // send's copy out succeeds, the receive's fails
+    if constexpr (staged::env::has_knobs) env->fail_copy(2);  // send's copy out succeeds, the receive's fails
     auto [s2, r2] = co_await gdr::when_all(report_of(a.send(s.view())), report_of(b.recv(d.view())));
     CHECK(!s2.error);
     CHECK(r2.error == errc::device_error);

@@ -5,7 +5,8 @@
 #   tests/memory/*_test.cpp   with GDR_HAS_CUDA=1, and the tests that have a
 #                             Device part also with GDR_HAS_CUDA=0 (as Bazel does)
 #   tests/cuda/*_test.cpp     GDR_HAS_CUDA=1
-#   tests/protocol/*_test.cpp the conformance suite (host memory)
+#   tests/protocol/*_test.cpp the conformance suite (host memory) and the
+#                             staged path's suite (also with GDR_HAS_CUDA=1)
 #   examples/quickstart.cpp   if present (built and run)
 #   benchmarks/cuda_event_bench.cpp  (-O2, run once; CSV kept)
 #   benchmarks/nop_bench.cpp, resume_bench.cpp  (-O2, run once each: the
@@ -90,10 +91,16 @@ for src in tests/cuda/*_test.cpp tests/cuda/*_test.cu; do
   [[ -e "$src" ]] || continue
   echo "cuda_$(basename "${src%.*}")|$src|1|test" >>"$JOBFILE"
 done
-# The protocol layer's conformance suite (loopback and TCP; host memory).
+# The protocol layer's suites (loopback and TCP): the conformance suite
+# (host memory), and the staged path's, which is built both ways: on GPU
+# memory with the CUDA copy engine, and on the CPU copy engine.
 for src in tests/protocol/*_test.cpp; do
   [[ -e "$src" ]] || continue
-  echo "protocol_$(basename "${src%.*}")|$src|0|test" >>"$JOBFILE"
+  base=$(basename "${src%.*}")
+  echo "protocol_${base}|$src|0|test" >>"$JOBFILE"
+  if grep -q "GDR_HAS_CUDA" "$src" tests/protocol/*.hpp 2>/dev/null && [[ "$base" == staged* ]]; then
+    echo "protocol_${base}_cuda|$src|1|test" >>"$JOBFILE"
+  fi
 done
 [[ -e examples/quickstart.cpp ]] && echo "quickstart|examples/quickstart.cpp|1|example" >>"$JOBFILE"
 [[ -e examples/quickstart.cu ]] && echo "quickstart|examples/quickstart.cu|1|example" >>"$JOBFILE"
