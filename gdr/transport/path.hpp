@@ -39,9 +39,9 @@
 /// template named after the problem, instantiated with the combination, so
 /// gcc prints
 ///
-///   In instantiation of 'struct gdr::path_error::DEVICE_MEMORY_NEEDS_A_STAGED_PATH_<
-///       gdr::tcp::transport, gdr::op::send, gdr::Device, gdr::AnySpace>':
-///   error: static assertion failed: device memory needs a staged path ...
+///   In instantiation of 'struct gdr::path_error::A_REMOTE_VIEW_IS_NOT_A_LOCAL_BUFFER_<
+///       gdr::tcp::transport, gdr::op::send, gdr::Remote<gdr::Host>, gdr::AnySpace>':
+///   error: static assertion failed: a remote_view cannot be sent: use ep.put / ep.get ...
 ///
 /// and clang the same two facts in the other order.
 ///
@@ -204,8 +204,8 @@ struct unsupported_path_row {
 /// The diagnostics of unsupported rows. Each is named after the problem
 /// (stdexec names its diagnostics the same way) and is instantiated with the
 /// combination, so the compiler's "in instantiation of" line reads
-/// `DEVICE_MEMORY_NEEDS_A_STAGED_PATH_<gdr::tcp::transport, gdr::op::send,
-/// gdr::Device, gdr::AnySpace>`. A transport may add its own.
+/// `A_REMOTE_VIEW_IS_NOT_A_LOCAL_BUFFER_<gdr::tcp::transport, gdr::op::send,
+/// gdr::Remote<gdr::Host>, gdr::AnySpace>`. A transport may add its own.
 namespace path_error {
 
 /// Always false. The diagnostics assert it so that the compilers also print
@@ -221,24 +221,6 @@ struct NO_PATH_FOR_THIS_TRANSPORT_OPERATION_AND_SPACES_ {
                 "this transport declares no path for this operation between these memory spaces (gdr::path_table "
                 "has no row for it, and the default is unsupported): use a transport that moves these spaces, or "
                 "declare the row by specializing gdr::path_table<Transport, Op, Local, Remote> beside the transport");
-};
-
-/// Local device memory on a transport without a staged path yet.
-template <class Transport, class Op, class Local, class Remote>
-struct DEVICE_MEMORY_NEEDS_A_STAGED_PATH_ {
-  static_assert(path_exists<Transport, Op, Local, Remote>,
-                "device memory needs a staged path (not yet available on this transport): copy into a gdr::Pinned "
-                "buffer with gdr::copy and send that (or receive into one and copy out), or use CUDA IPC / verbs "
-                "with GPUDirect");
-};
-
-/// A put into or get from a peer's device memory on such a transport.
-template <class Transport, class Op, class Local, class Remote>
-struct PEER_DEVICE_MEMORY_NEEDS_A_STAGED_PATH_ {
-  static_assert(path_exists<Transport, Op, Local, Remote>,
-                "the peer's device memory needs a staged path (not yet available on this transport): put into or "
-                "get from a gdr::Pinned buffer the peer registered, and let the peer gdr::copy it to or from the "
-                "device; or use CUDA IPC / verbs with GPUDirect");
 };
 
 /// A `remote_view` (a `Remote<S>` space) used as the local side.
@@ -462,7 +444,8 @@ namespace detail {
 
 /// The rows shared by the transports whose bytes the CPU moves (a socket's
 /// `sendmsg`/`recvmsg`, a `memcpy`): host-accessible memory on both sides
-/// moves zero-copy; device memory has no path until staging arrives; a
+/// moves zero-copy; device memory on either side is staged through Pinned
+/// bounce buffers by the protocol layer, on the side that owns it; a
 /// `Remote<S>` space is never the local side. Everything else keeps the
 /// conservative default.
 template <class Transport, class Op, class Local, class Remote>

@@ -57,15 +57,17 @@ constexpr bool zero_copy_row = gdr::select_path_v<T, Op, L, R> == path_kind::zer
 
 // The row is unsupported, and diagnosed by `Diagnostic` (compared as a type:
 // its static_assert is not run).
+template <class T, class Op, class L, class R>
+constexpr bool staged_row = gdr::select_path_v<T, Op, L, R> == path_kind::staged &&
+                            gdr::select_path<T, Op, L, R>::path == gdr::transfer_path::staged_pinned;
+
 template <class T, class Op, class L, class R, template <class, class, class, class> class Diagnostic>
 constexpr bool unsupported_row = gdr::select_path_v<T, Op, L, R> == path_kind::unsupported &&
                                  std::is_same_v<typename gdr::select_path<T, Op, L, R>::template diagnostic<T, Op, L, R>,
                                                 Diagnostic<T, Op, L, R>>;
 
 using gdr::path_error::A_REMOTE_VIEW_IS_NOT_A_LOCAL_BUFFER_;
-using gdr::path_error::DEVICE_MEMORY_NEEDS_A_STAGED_PATH_;
 using gdr::path_error::NO_PATH_FOR_THIS_TRANSPORT_OPERATION_AND_SPACES_;
-using gdr::path_error::PEER_DEVICE_MEMORY_NEEDS_A_STAGED_PATH_;
 
 // Every row of one operation on a transport whose bytes the CPU moves
 // (loopback, tcp): local space down, remote space across.
@@ -75,7 +77,7 @@ constexpr bool cpu_transport_rows_hold() {
   //                          local    remote
   static_assert(zero_copy_row<T, Op, Host, Host>);
   static_assert(zero_copy_row<T, Op, Host, Pinned>);
-  static_assert(unsupported_row<T, Op, Host, Device, PEER_DEVICE_MEMORY_NEEDS_A_STAGED_PATH_>);
+  static_assert(staged_row<T, Op, Host, Device>);  // the peer stages
   if constexpr (two_sided) {
     static_assert(zero_copy_row<T, Op, Host, AnySpace>);
   } else {  // put and get name the peer's space
@@ -84,17 +86,19 @@ constexpr bool cpu_transport_rows_hold() {
 
   static_assert(zero_copy_row<T, Op, Pinned, Host>);
   static_assert(zero_copy_row<T, Op, Pinned, Pinned>);
-  static_assert(unsupported_row<T, Op, Pinned, Device, PEER_DEVICE_MEMORY_NEEDS_A_STAGED_PATH_>);
+  static_assert(staged_row<T, Op, Pinned, Device>);
   if constexpr (two_sided) {
     static_assert(zero_copy_row<T, Op, Pinned, AnySpace>);
   } else {  // put and get name the peer's space
     static_assert(unsupported_row<T, Op, Pinned, AnySpace, NO_PATH_FOR_THIS_TRANSPORT_OPERATION_AND_SPACES_>);
   }
 
-  static_assert(unsupported_row<T, Op, Device, Host, DEVICE_MEMORY_NEEDS_A_STAGED_PATH_>);
-  static_assert(unsupported_row<T, Op, Device, Pinned, DEVICE_MEMORY_NEEDS_A_STAGED_PATH_>);
-  static_assert(unsupported_row<T, Op, Device, Device, DEVICE_MEMORY_NEEDS_A_STAGED_PATH_>);
-  static_assert(unsupported_row<T, Op, Device, AnySpace, DEVICE_MEMORY_NEEDS_A_STAGED_PATH_>);
+  // Device memory is staged through Pinned bounce buffers (the protocol
+  // layer's pipeline), whatever the other side.
+  static_assert(staged_row<T, Op, Device, Host>);
+  static_assert(staged_row<T, Op, Device, Pinned>);
+  static_assert(staged_row<T, Op, Device, Device>);
+  static_assert(staged_row<T, Op, Device, AnySpace>);
 
   static_assert(unsupported_row<T, Op, Remote<Host>, Host, A_REMOTE_VIEW_IS_NOT_A_LOCAL_BUFFER_>);
   static_assert(unsupported_row<T, Op, Remote<Pinned>, Pinned, A_REMOTE_VIEW_IS_NOT_A_LOCAL_BUFFER_>);
@@ -128,7 +132,8 @@ static_assert(gdr::require_path<probing_transport, gdr::op::recv, Device>() == p
 static_assert(gdr::has_path<probing_transport, gdr::op::recv, Device>);
 static_assert(!gdr::has_path<probing_transport, gdr::op::put, Device>);
 static_assert(gdr::has_path<gdr::tcp::transport, gdr::op::put, Host, Pinned>);
-static_assert(!gdr::has_path<gdr::tcp::transport, gdr::op::send, Device>);
+static_assert(gdr::require_path<gdr::tcp::transport, gdr::op::send, Device>() == path_kind::staged);
+static_assert(gdr::require_path<gdr::loopback::transport, gdr::op::put, Host, Device>() == path_kind::staged);
 
 // Operations: tags and names.
 static_assert(gdr::path_operation<gdr::op::get>);
@@ -266,7 +271,7 @@ TEST_CASE("decide_path resolves a probed row by probing once, and a failed probe
 }
 
 TEST_CASE("an unsupported row compiles in decide_path and is refused at run time") {
-  auto d = gdr::decide_path<gdr::tcp::transport, gdr::op::send, Device>();
+  auto d = gdr::decide_path<rowless_transport, gdr::op::send, Host>();
   REQUIRE(!d.has_value());
   CHECK(d.error() == errc::unsupported);
   auto p = gdr::decide_path<probing_transport, gdr::op::put, Host, Host>();
