@@ -22,6 +22,18 @@
 // Device -> Device transfer. GB/s = 1e9 bytes per second; median, min and max
 // over the timed messages of a point.
 //
+// Processes: the sender is the parent. It listens on 127.0.0.1 port 0, then
+// forks the receiver before either touches CUDA (a CUDA context does not
+// survive fork; the device probe runs in a throwaway child); each then
+// initializes CUDA itself. The receiver dies with the sender
+// (PR_SET_PDEATHSIG), the sender kills the receiver on any error, and the
+// receiver's exit status becomes the sender's. Both use GPU 0 unless
+// --device / --recv-device say otherwise.
+//
+// --sweep: 1 MiB..1 GiB, 100 timed messages up to 4 MiB, 50 at 16 MiB, 20 at
+// 64 MiB, 8 at 256 MiB, 3 at 1 GiB; a point stops early after
+// --point-seconds (10) once it has 3.
+//
 // Output: one CSV line per (mode, size, chunk, depth) on stdout (and appended
 // to --csv FILE), after a header line:
 //   mode,size,chunk,depth,iters,median_gbps,min_gbps,max_gbps
