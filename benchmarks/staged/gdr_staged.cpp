@@ -165,8 +165,15 @@ struct memory {
     else p = gdr::buffer<std::byte, gdr::Pinned>(n);
   }
   void fill(const std::vector<std::byte>& v) {
-    if (device) (void)cudaMemcpy(d.data(), v.data(), v.size(), cudaMemcpyHostToDevice);
-    else std::memcpy(p.data(), v.data(), v.size());
+    if (device) {
+      // From pageable memory cudaMemcpy may return before its DMA is done,
+      // and the staged path's copies run on streams that do not wait for
+      // the legacy stream: wait for the device.
+      (void)cudaMemcpy(d.data(), v.data(), v.size(), cudaMemcpyHostToDevice);
+      (void)cudaDeviceSynchronize();
+    } else {
+      std::memcpy(p.data(), v.data(), v.size());
+    }
   }
   std::vector<std::byte> read(std::size_t n) {
     std::vector<std::byte> v(n);

@@ -63,10 +63,17 @@
 /// The poller is also the scheduler's `gdr::copy_engine`
 /// (gdr/protocol/staging.hpp): it takes that slot too, unless another copy
 /// engine already holds it (that one stays). `copy()` queues a
-/// `cudaMemcpyAsync` on one of the poller's own non-blocking streams, one per
-/// GPU and direction, created on first use: so device-to-host and
-/// host-to-device copies run on the GPU's two copy engines at once, and copies
-/// of one direction complete in order. An event recorded after the copy goes
+/// `cudaMemcpyAsync` on one of the poller's own streams, one per GPU and
+/// direction, created on first use: so device-to-host and host-to-device
+/// copies run on the GPU's two copy engines at once, and copies of one
+/// direction complete in order. The streams are blocking ones (they wait for
+/// the legacy default stream): a kernel or `cudaMemset` queued there before
+/// a send is done before its bytes are copied out, as a program that knows
+/// only the default stream expects; work on other streams is ordered by
+/// `op_options::after` (without it, a send may copy bytes a kernel on another
+/// stream is still writing). A first version used non-blocking streams, and
+/// a test that filled device memory with `cudaMemcpy` from pageable memory
+/// (which returns before its DMA is done) then sent it read stale bytes. An event recorded after the copy goes
 /// into that stream's FIFO like any other, carried by a node the poller owns
 /// (a freelist, grown when every node is in flight). `after` orders the copy
 /// behind the work already on a user's stream with no host synchronize: an
@@ -491,7 +498,10 @@ class event_poller final : public copy_engine {
     {
       device_guard guard(device);
       if (guard.error()) return guard.error();
-      if (std::error_code ec = check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"))
+      // Blocking streams: work queued on the legacy default stream before a
+      // copy (a kernel, a cudaMemset, a cudaMemcpy from pageable memory
+      // whose DMA may still run) is done before the copy starts.
+      if (std::error_code ec = check(cudaStreamCreateWithFlags(&s, cudaStreamDefault), "cudaStreamCreateWithFlags"))
         return ec;
     }
     try {

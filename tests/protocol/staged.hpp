@@ -57,10 +57,17 @@ class dev_mem {
   dev_mem& operator=(const dev_mem&) = delete;
   ~dev_mem() { (void)cudaFree(p_); }
   gdr::view<std::byte, gdr::Device> view() const noexcept { return {static_cast<std::byte*>(p_), n_, 0}; }
+  // cudaMemcpy from pageable memory and cudaMemset may return before the
+  // device has the bytes, and the staged path's copies run on streams that
+  // do not wait for the legacy stream: both wait for the device.
   void fill(const std::vector<std::byte>& v) {
     if (!v.empty()) (void)cudaMemcpy(p_, v.data(), std::min(v.size(), n_), cudaMemcpyHostToDevice);
+    (void)cudaDeviceSynchronize();
   }
-  void set(std::byte b) { (void)cudaMemset(p_, static_cast<int>(b), n_); }
+  void set(std::byte b) {
+    (void)cudaMemset(p_, static_cast<int>(b), n_);
+    (void)cudaDeviceSynchronize();
+  }
   std::vector<std::byte> read() const {
     std::vector<std::byte> v(n_);
     if (n_ != 0) (void)cudaMemcpy(v.data(), p_, n_, cudaMemcpyDeviceToHost);
