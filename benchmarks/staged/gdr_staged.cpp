@@ -14,8 +14,11 @@
 //          --both, both directions at once (gdr_both_device, per direction).
 //   lat    8-byte ping-pong over tcp2, Device and Pinned: half the round trip
 //          (lat_device, lat_pinned; the "gbps" columns hold microseconds).
+//          Two processes on one GPU: their CUDA contexts time-slice it.
+//   lat1   the same between two TCP endpoints of one process (one context):
+//          lat1_device, lat1_pinned, alternating twice.
 //
-//   gdr_staged [--mode tcp2|loop1|lat] [--space device|pinned] [--sizes 1M,64M]
+//   gdr_staged [--mode tcp2|loop1|lat|lat1] [--space device|pinned] [--sizes 1M,64M]
 //              [--sweep] [--chunks 256K,1M] [--depths 2,4] [--iters N]
 //              [--both] [--verify] [--csv FILE]
 //
@@ -71,7 +74,7 @@ struct options {
   std::string mode = "tcp2";
   std::string space = "device";
   std::vector<std::size_t> sizes = {1u << 20, 4u << 20, 16u << 20, 64u << 20, 256u << 20};
-  std::vector<std::size_t> chunks = {1u << 20};
+  std::vector<std::size_t> chunks = {4u << 20};  // the defaults
   std::vector<std::size_t> depths = {4};
   int iters = 0;  // 0: by size
   bool both = false;
@@ -101,7 +104,7 @@ options parse(int argc, char** argv) {
     else if (a == "--verify") o.verify = true;
     else if (a == "--csv") o.csv = next();
     else {
-      std::fprintf(stderr, "usage: gdr_staged [--mode tcp2|loop1|lat] [--space device|pinned] [--sizes 1M,64M] "
+      std::fprintf(stderr, "usage: gdr_staged [--mode tcp2|loop1|lat|lat1] [--space device|pinned] [--sizes 1M,64M] "
                            "[--sweep] [--chunks 256K,1M] [--depths 2,4] [--iters N] [--both] [--verify] [--csv F]\n");
       std::exit(a == "--help" ? 0 : 2);
     }
@@ -414,6 +417,37 @@ int run_loop1(const options& o) {
   return 0;
 }
 
+// ------------------------------------------------------------------ lat1
+
+// 8-byte ping-pong between two TCP endpoints of one process on one
+// scheduler: one CUDA context, so what the staged path adds to a small
+// message is measured without two processes time-slicing the GPU.
+int run_lat1() {
+  gdr::scheduler s({.mode = gdr::run_mode::busy_poll});
+  gdr::cuda::event_poller ev(s);
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::tcp::endpoint_options eo;
+    gdr::tcp::listener l(s, gdr::tcp::address::loopback(0), gdr::default_registry(), eo);
+    auto acc = l.accept();
+    gdr::tcp::endpoint a = co_await gdr::tcp::connect(s, l.local_address(), {}, gdr::default_registry(), eo);
+    gdr::tcp::endpoint b = co_await std::move(acc);
+    for (bool dev : {false, true, false, true}) {
+      memory ma(dev, 8), mb(dev, 8);
+      std::vector<double> us;
+      for (int i = 0; i < 2000 + 20000; ++i) {
+        auto t0 = clk::now();
+        co_await gdr::when_all(send_n(a, ma, 8), recv_n(b, mb, 8));
+        co_await gdr::when_all(send_n(b, mb, 8), recv_n(a, ma, 8));
+        if (i >= 2000) us.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count() / 2);
+      }
+      row(dev ? "lat1_device" : "lat1_pinned", 8, 0, 0, us);
+    }
+    co_await a.close();
+  }());
+  s.drain();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -435,6 +469,13 @@ int main(int argc, char** argv) {
     ::waitpid(pid, &st, 0);
     if (WIFEXITED(st) && WEXITSTATUS(st) == 10) return 0;
     rc = run_tcp2(o);
+  } else if (o.mode == "lat1") {
+    std::string why = gdr::cuda::device_unavailable_reason(0);
+    if (!why.empty()) {
+      std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
+      return 0;
+    }
+    rc = run_lat1();
   } else if (o.mode == "loop1") {
     std::string why = gdr::cuda::device_unavailable_reason(0);
     if (!why.empty()) {

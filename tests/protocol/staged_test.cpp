@@ -457,3 +457,30 @@ TEST_CASE_TEMPLATE("a stream-ordered send orders its first copy after the given 
     co_await a.close();
   });
 }
+
+TEST_CASE_TEMPLATE("work on the default stream before a send is done before the send copies the bytes", T,
+                   CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  if (!staged::real_gpu) GDR_SKIP("a property of CUDA streams: runs on a GPU");
+  run<T>(gdr::run_mode::busy_poll, [&](auto& a, auto& b, staged::env*) -> gdr::task<> {
+    const std::size_t n = 300000;
+    staged::dev_mem src(n), dst(n);
+#if GDR_HAS_CUDA
+    // A slow memset, then the bytes the send must see, both on the legacy
+    // default stream, no synchronize: the copy streams wait for it.
+    void* scratch = nullptr;
+    REQUIRE(cudaMalloc(&scratch, std::size_t{1} << 30) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(scratch, 1, std::size_t{1} << 30, nullptr) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(src.view().data(), 0x33, n, nullptr) == cudaSuccess);
+#endif
+    auto [s, r] = co_await gdr::when_all(report_of(a.send(src.view())), report_of(b.recv(dst.view())));
+    CHECK(!s.error);
+    CHECK(!r.error);
+    auto got = dst.read();
+    CHECK(std::all_of(got.begin(), got.end(), [](std::byte x) { return x == std::byte{0x33}; }));
+#if GDR_HAS_CUDA
+    (void)cudaFree(scratch);
+#endif
+    co_await a.close();
+  });
+}
