@@ -8,6 +8,8 @@
 #   tests/protocol/*_test.cpp the conformance suite (host memory) and the
 #                             staged path's suite (also with GDR_HAS_CUDA=1)
 #   examples/quickstart.cpp   if present (built and run)
+#   examples/gpu_pipeline.cpp with its kernels (gpu_pipeline_kernels.cu, nvcc
+#                             -c first), run with --count 64 --size 16M
 #   benchmarks/cuda_event_bench.cpp  (-O2, run once; CSV kept)
 #   benchmarks/nop_bench.cpp, resume_bench.cpp  (-O2, run once each: the
 #                             (a) and (b) ratios on this machine's CPU)
@@ -78,7 +80,7 @@ fi
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } >>"$BUILD_LOG" 2>&1
 
-# ---- what to build: "name|source|cuda(0/1)|kind(test/example/bench)" ----------
+# ---- what to build: "name|source|cuda(0/1)|kind(test/example/bench)[|run arguments]" ----
 JOBFILE=$BUILD/jobs.txt; : >"$JOBFILE"
 for src in tests/memory/*_test.cpp tests/memory/*_test.cu; do
   [[ -e "$src" ]] || continue
@@ -104,6 +106,7 @@ for src in tests/protocol/*_test.cpp; do
 done
 [[ -e examples/quickstart.cpp ]] && echo "quickstart|examples/quickstart.cpp|1|example" >>"$JOBFILE"
 [[ -e examples/quickstart.cu ]] && echo "quickstart|examples/quickstart.cu|1|example" >>"$JOBFILE"
+[[ -e examples/gpu_pipeline.cpp ]] && echo "gpu_pipeline|examples/gpu_pipeline.cpp|1|example|--count 64 --size 16M" >>"$JOBFILE"
 if [[ "${GDR_NO_BENCH:-0}" != 1 ]]; then
   echo "cuda_event_bench|benchmarks/cuda_event_bench.cpp|1|bench" >>"$JOBFILE"
   for b in nop_bench resume_bench; do
@@ -127,7 +130,12 @@ build_one() {  # name src cuda kind
       -Xcompiler "$(IFS=,; echo "${WARN[*]}")" "$src" "${extra[@]}" -o "$BUILD/$name" \
       "${LIBS[@]}" >"$log" 2>&1
   else
-    $CXX "${COMMON[@]}" $opt -g -DGDR_HAS_CUDA=$cuda "$src" "${extra[@]}" -o "$BUILD/$name" "${LIBS[@]}" >"$log" 2>&1
+    # Kernels beside the source (examples/<name>_kernels.cu) go through nvcc
+    # first and are linked in (no -Wundef there: CUDA's own headers trip it).
+    local kernels=${src%.cpp}_kernels.cu objs=()
+    [[ -e "$kernels" ]] && objs=("$BUILD/$name.kernels.o")
+    { [[ ${#objs[@]} == 0 ]] || "$NVCC" -std=c++20 -arch=sm_90 $opt -I"$ROOT" -c "$kernels" -o "${objs[0]}"; } >"$log" 2>&1 &&
+      $CXX "${COMMON[@]}" $opt -g -DGDR_HAS_CUDA=$cuda "$src" "${objs[@]}" "${extra[@]}" -o "$BUILD/$name" "${LIBS[@]}" >>"$log" 2>&1
   fi
   rc=$?
   echo "$rc $((SECONDS - t0))" >"$BUILD/$name.build.rc"
@@ -163,7 +171,7 @@ done <"$JOBFILE"
 
 # ---- run ---------------------------------------------------------------------
 t_run=$SECONDS
-while IFS='|' read -r name src cuda kind; do
+while IFS='|' read -r name src cuda kind args; do
   [[ -x "$BUILD/$name" ]] || continue
   case "$kind" in
     test)
@@ -179,8 +187,9 @@ while IFS='|' read -r name src cuda kind; do
       ;;
     example)
       log="$BUILD/$name.run.log"
-      timeout 120 "$BUILD/$name" >"$log" 2>&1; rc=$?
-      { echo "=== run $name: rc=$rc"; cat "$log"; } >>"$TEST_LOG"
+      # shellcheck disable=SC2086
+      timeout 120 "$BUILD/$name" ${args:-} >"$log" 2>&1; rc=$?
+      { echo "=== run $name${args:+ $args}: rc=$rc"; cat "$log"; } >>"$TEST_LOG"
       if [[ "$rc" == 0 ]]; then status=PASS; else status=FAIL; fails=$((fails + 1)); fi
       printf '%-38s %-10s %s\n' "$name" "$status" "exit $rc" >>"$BUILD/summary.body"
       ;;
