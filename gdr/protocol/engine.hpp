@@ -727,6 +727,17 @@ class engine {
         return;
       }
       case target::stage_rx: placed_in_bounce(*t.b, t.id); return;
+      case target::via_host: {
+        op& o = *t.o;
+        o.placing_ = false;
+        if (o.result_set_) {
+          delete t.m;
+          try_finish(o);
+          return;
+        }
+        deliver_early_staged(o, t.m);
+        return;
+      }
     }
   }
 
@@ -805,7 +816,7 @@ class engine {
 
  private:
   struct target {
-    enum kind_t : std::uint8_t { none, op_payload, store, serve_put, discard, stage_rx } kind = none;
+    enum kind_t : std::uint8_t { none, op_payload, store, serve_put, discard, stage_rx, via_host } kind = none;
     op* o = nullptr;
     early_msg* m = nullptr;
     reply_slot* s = nullptr;
@@ -1099,7 +1110,8 @@ class engine {
       release_segments(o);
       if (o.out_ != 0 && !error_) remember_range(o.id_, o.id_ + o.nseg_, o.out_);
     }
-    if (o.placing_ && cur_.kind == target::op_payload && cur_.o == &o) abort_current();
+    if (o.placing_ && (cur_.kind == target::op_payload || cur_.kind == target::via_host) && cur_.o == &o)
+      abort_current();
     if (cur_.kind == target::stage_rx && cur_.b->owner == &o) abort_current();
     o.stage_ = op::stage::idle;
     if (closing_ && o.kind_ == op::kind::send) maybe_post_close();
@@ -1179,8 +1191,10 @@ class engine {
     dropped_tokens_.clear();
     dropped_answers_.clear();
     dropped_ranges_.clear();
-    if (cur_.kind == target::op_payload) {
+    if (cur_.kind == target::op_payload || cur_.kind == target::via_host) {
       complete(*cur_.o, ec);
+    } else if (cur_.kind == target::stage_rx && cur_.b->owner != nullptr) {
+      complete(*cur_.b->owner, ec);  // a receive that left every list with its last segment
     } else {
       abort_current();
     }
@@ -1208,6 +1222,11 @@ class engine {
         break;
       case target::store: delete t.m; break;
       case target::serve_put: free_slot(t.s); break;
+      case target::via_host:
+        delete t.m;
+        t.o->placing_ = false;
+        try_finish(*t.o);
+        break;
       case target::stage_rx: {
         stage_slot& b = *t.b;
         if (reply_slot* s = b.rs) {
@@ -1304,10 +1323,28 @@ class engine {
     auto len = static_cast<std::size_t>(h.length);
     if (op* r = find_recv(h.tag)) {
       std::size_t want = std::min(len, r->size_);
+      if (r->dev_ >= 0 && want != 0 && len > chunk_) {
+        // Into device memory, larger than a bounce buffer (the sender's
+        // threshold is above our chunk): through host memory first, then
+        // chunk by chunk as a kept message is.
+        auto* m = new (std::nothrow) early_msg;
+        if (m == nullptr) return pause_reading();
+        m->bytes.reset(new (std::nothrow) std::byte[len]);
+        if (!m->bytes) {
+          delete m;
+          return pause_reading();
+        }
+        m->tag = h.tag;
+        m->size = len;
+        take_recv(*r);
+        r->stage_ = op::stage::placing;
+        r->placing_ = true;
+        target t{target::via_host, r};
+        t.m = m;
+        return place(t, m->bytes.get(), len, 0);
+      }
       if (r->dev_ >= 0 && want != 0) {
-        // Into device memory: through a bounce buffer. The peer keeps eager
-        // messages within the chunk size of its hello.
-        if (len > chunk_) return fail_plan();
+        // Into device memory: through a bounce buffer.
         stage_slot* b = take(rx_);
         if (b == nullptr) return pause_reading();
         take_recv(*r);
@@ -1577,12 +1614,10 @@ class engine {
     return peer_seg_ != 0 ? std::min<std::size_t>(chunk_, peer_seg_) : chunk_;
   }
 
-  /// The largest message `o` sends eager: the threshold, within the peer's
-  /// bounce buffers (it may receive into device memory) and, from device
-  /// memory, within one of ours.
+  /// The largest message `o` sends eager: the threshold, and from device
+  /// memory within one bounce buffer (copied out whole, then sent).
   std::size_t eager_limit(const op& o) const noexcept {
     std::size_t e = opts_.rendezvous_threshold;
-    if (peer_seg_ != 0) e = std::min<std::size_t>(e, peer_seg_);
     if (o.dev_ >= 0) e = std::min(e, chunk_);
     return e;
   }
@@ -1892,8 +1927,8 @@ class engine {
     complete(o, o.ec_);  // errc::truncated was noted when the message began
   }
 
-  /// A kept eager message for device memory: copied into a bounce buffer
-  /// (when one is free), then to the device.
+  /// A kept eager message for device memory: copied into bounce buffers
+  /// (as they come free), a chunk at a time, then to the device.
   void deliver_early_staged(op& o, early_msg* m) noexcept {
     o.msg_size_ = static_cast<std::size_t>(m->size);
     o.proto_ = wire_protocol::eager;
@@ -1908,24 +1943,30 @@ class engine {
   }
 
   void try_deliver_early(op& o) noexcept {
-    if (o.early_ == nullptr || o.result_set_) return;
-    stage_slot* b = take(rx_);
-    if (b == nullptr) {
-      wait_for_slot(o, true);
-      return;
+    while (o.early_ != nullptr && !o.result_set_ && o.issued_ < o.total_) {
+      stage_slot* b = take(rx_);
+      if (b == nullptr) {
+        wait_for_slot(o, true);
+        return;
+      }
+      std::size_t len = std::min(chunk_, o.total_ - o.issued_);
+      std::memcpy(b->mem, o.early_->bytes.get() + o.issued_, len);
+      b->owner = &o;
+      b->off = o.issued_;
+      b->len = len;
+      ++o.slots_;
+      o.issued_ += len;
+      if (std::error_code ec = start_copy(*b, copy_engine::direction::to_device, o.dev_, o.data_ + b->off, b->mem,
+                                          b->len, &o)) {
+        release_slot(*b);
+        copy_failed(o, ec);
+        try_finish(o);
+        return;
+      }
     }
-    std::memcpy(b->mem, o.early_->bytes.get(), o.total_);
-    delete std::exchange(o.early_, nullptr);
-    b->owner = &o;
-    b->len = o.total_;
-    ++o.slots_;
-    if (std::error_code ec =
-            start_copy(*b, copy_engine::direction::to_device, o.dev_, o.data_, b->mem, b->len, &o)) {
-      release_slot(*b);
-      copy_failed(o, ec);
-      try_finish(o);
-    }
+    if (o.early_ != nullptr && o.issued_ >= o.total_) delete std::exchange(o.early_, nullptr);
   }
+
 
   /// A staged eager send: one chunk copied out, then sent.
   bool launch_staged_eager(op& o) noexcept {

@@ -98,7 +98,9 @@ class dev_mem {
  public:
   explicit dev_mem(std::size_t n) : m_(n) {}
   gdr::view<std::byte, gdr::Device> view() noexcept { return {m_.data(), m_.size(), 0}; }
-  void fill(const std::vector<std::byte>& v) { std::memcpy(m_.data(), v.data(), std::min(v.size(), m_.size())); }
+  void fill(const std::vector<std::byte>& v) {
+    if (!v.empty() && !m_.empty()) std::memcpy(m_.data(), v.data(), std::min(v.size(), m_.size()));
+  }
   void set(std::byte b) { std::fill(m_.begin(), m_.end(), b); }
   std::vector<std::byte> read() const { return m_; }
   std::size_t size() const noexcept { return m_.size(); }

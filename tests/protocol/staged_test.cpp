@@ -484,3 +484,29 @@ TEST_CASE_TEMPLATE("work on the default stream before a send is done before the 
     co_await a.close();
   });
 }
+
+TEST_CASE_TEMPLATE("an eager message larger than the receiver's bounce buffers reaches Device memory through host memory",
+                   T, CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  // The sender's threshold (256 KiB) is above the receiver's chunk
+  // (64 KiB): eager messages up to 256 KiB arrive whole.
+  run_both<T>(
+      [&](auto& a, auto& b, staged::env*) -> gdr::task<> {
+        auto p = pattern(200003, 7), q = pattern(150001, 8);
+        staged::dev_mem d1(p.size()), d2(q.size());
+        // Receive posted first: placed in host memory, then staged in.
+        auto [s, r] = co_await gdr::when_all(report_of(a.send(gdr::host_view(p))), report_of(b.recv(d1.view())));
+        CHECK(!s.error);
+        CHECK(!r.error);
+        CHECK(r.protocol == wire_protocol::eager);
+        CHECK(d1.read() == p);
+        // Kept before its receive: staged in chunk by chunk.
+        co_await a.send(gdr::host_view(q));
+        co_await gdr::sleep_for(2ms);
+        CHECK(co_await b.recv(d2.view()) == q.size());
+        CHECK(d2.read() == q);
+        CHECK(no_bounce_out(a, b));
+        co_await a.close();
+      },
+      small(64 * 1024, 3, 256 * 1024));
+}

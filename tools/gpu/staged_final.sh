@@ -67,4 +67,6 @@ timeout 60 "$G" --mode lat --space pinned >>"$OUT/lat.csv" 2>>"$OUT/gdr.log"
 timeout 60 "$G" --mode lat1 >>"$OUT/lat.csv" 2>>"$OUT/gdr.log"
 say "latency done"
 say "done"
-cd "$OUT" && tar czf results.tgz --exclude='*.tgz' . && find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name round.txt -exec rm -rf {} +
+# Pack everything into one file (a machine that returns few files gets all).
+tar czf /tmp/staged-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -maxdepth 1 ! -name round.txt -exec rm -rf {} + &&
+  mv /tmp/staged-results.tgz "$OUT/results.tgz"

@@ -23,8 +23,8 @@ namespace lb = gdr::loopback;
 static_assert(gdr::select_path_v<lb::transport, gdr::op::send, gdr::Host> == gdr::path_kind::zero_copy);
 static_assert(gdr::select_path_v<lb::transport, gdr::op::recv, gdr::Pinned> == gdr::path_kind::zero_copy);
 static_assert(gdr::select_path_v<lb::transport, gdr::op::put, gdr::Host, gdr::Pinned> == gdr::path_kind::zero_copy);
-static_assert(gdr::select_path_v<lb::transport, gdr::op::send, gdr::Device> == gdr::path_kind::unsupported);
-static_assert(gdr::select_path_v<lb::transport, gdr::op::get, gdr::Host, gdr::Device> == gdr::path_kind::unsupported);
+static_assert(gdr::select_path_v<lb::transport, gdr::op::send, gdr::Device> == gdr::path_kind::staged);
+static_assert(gdr::select_path_v<lb::transport, gdr::op::get, gdr::Host, gdr::Device> == gdr::path_kind::staged);
 
 TEST_CASE("a small message sent before its receive is posted is kept by the receiving end and arrives intact") {
   gdr_test::watchdog wd(30);
