@@ -192,8 +192,9 @@ inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_vie
   }
   std::string who = dst->to_string();
   if (std::error_code pe = endpoint::decide(opts, id->verbs, who.c_str())) {
+    std::string why = endpoint::decide_reason(opts, id->verbs);  // while id (and its device) lives
     cleanup();
-    throw gdr::error(pe, endpoint::decide_reason(opts, id->verbs));
+    throw gdr::error(pe, why);
   }
   result<gdr::detail::verbs::connection*> c = detail::make_connection(s, id, ch, registry, opts);
   if (!c) {
