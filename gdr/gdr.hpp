@@ -62,5 +62,12 @@
 #endif
 
 #if GDR_HAS_VERBS
+#include <gdr/transport/verbs.hpp>
+#include <gdr/transport/verbs/completion.hpp>
+#include <gdr/transport/verbs/connect.hpp>
+#include <gdr/transport/verbs/connection.hpp>
+#include <gdr/transport/verbs/endpoint.hpp>
+#include <gdr/transport/verbs/gpudirect.hpp>
+#include <gdr/transport/verbs/memory.hpp>
 #include <gdr/verbs/probe.hpp>
 #endif

@@ -329,6 +329,10 @@ class op : private gdr::detail::cancellable<op> {
     return adapter{std::move(*this)};
   }
 
+  /// The operation's local buffer (a transport that registers it for RDMA
+  /// reads the address; the engine keeps the bytes' ownership rules).
+  std::byte* buffer_data() const noexcept { return data_; }
+
   /// The same operation, but `co_await` returns its `op_report` (error,
   /// bytes, the message's size, tag, path and protocol) and never throws.
   [[nodiscard]] auto report() && noexcept {

@@ -43,15 +43,16 @@ class poller {
 /// which a scheduler has at most one, and which an awaitable must find from
 /// its scheduler on every await (`scheduler::poller_slot`). The kinds are
 /// named here, and the poller types that fill them live in higher layers
-/// (gdr/cuda/, later gdr/verbs/): so the slots are a fixed array inside the
+/// (gdr/cuda/, gdr/transport/verbs/): so the slots are a fixed array inside the
 /// scheduler, and sched/ includes none of those layers.
 enum class poller_kind : unsigned char {
   cuda_events,  ///< `gdr::cuda::event_poller`
   copy_engine,  ///< `gdr::copy_engine` of the staged path (CUDA's is the event poller)
+  verbs_cq,     ///< `gdr::verbs::cq_poller`: the scheduler's RDMA completion queues
 };
 
 namespace detail {
-inline constexpr std::size_t poller_kind_count = 2;  // enumerators of poller_kind
+inline constexpr std::size_t poller_kind_count = 3;  // enumerators of poller_kind
 }  // namespace detail
 
 /// A poller type that has a slot in its scheduler: it derives from `poller`

@@ -2,6 +2,11 @@
 // transport gives a connected pair of endpoints on one scheduler with given
 // protocol options; every TEST_CASE_TEMPLATE in conformance_test.cpp runs
 // over each. A new transport joins the suite by adding a fixture here.
+//
+// Built with CONFORMANCE_VERBS=1 (//tests/verbs:conformance_test), the same
+// suite runs over the verbs transport alone: its fixture needs an RDMA
+// device, and a fixture that says why it cannot run (`skip_reason()`) makes
+// every case print one `[gdr-skip]` line instead.
 #pragma once
 
 #include <chrono>
@@ -9,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <iostream>
+#include <set>
 #include <span>
 #include <system_error>
 #include <utility>
@@ -25,6 +32,13 @@
 #include <gdr/transport/tcp.hpp>
 
 #include "tests/support/watchdog.hpp"
+
+#ifndef CONFORMANCE_VERBS
+#define CONFORMANCE_VERBS 0
+#endif
+#if CONFORMANCE_VERBS
+#include "tests/verbs/verbs_fixture.hpp"
+#endif
 
 namespace conformance {
 
@@ -61,13 +75,33 @@ struct tcp_fixture {
   }
 };
 
+#if CONFORMANCE_VERBS
+#define CONFORMANCE_TRANSPORTS conformance::verbs_fixture
+#else
 #define CONFORMANCE_TRANSPORTS conformance::loopback_fixture, conformance::tcp_fixture
+#endif
+
+/// The fixture cannot run here (no device): says so once per test case, in
+/// the form .ci/run counts as skipped.
+template <class Fixture>
+bool skipped() {
+  if constexpr (requires { Fixture::skip_reason(); }) {
+    std::string why = Fixture::skip_reason();
+    if (why.empty()) return false;
+    static std::set<std::string> said;
+    std::string name = ::doctest::getContextOptions()->currentTest->m_name;
+    if (said.insert(name).second) std::cout << "[gdr-skip] " << name << ": " << why << std::endl;
+    return true;
+  }
+  return false;
+}
 
 /// Runs `body(a, b)` (a coroutine lambda taking the two endpoints) on a
 /// fresh scheduler in `mode`, with a watchdog; closes nothing itself.
 template <class Fixture, class Body>
 void run(gdr::run_mode mode, Body body, gdr::protocol_options a = {}, gdr::protocol_options b = {},
          gdr::memory_registry& reg = gdr::default_registry()) {
+  if (skipped<Fixture>()) return;
   watchdog dog(60);
   gdr::scheduler sched({.mode = mode});
   gdr::sync_wait(sched, [&]() -> gdr::task<> {

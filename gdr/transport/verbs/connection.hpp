@@ -1,0 +1,1245 @@
+/// \file
+/// The verbs transport's data path: one RC queue pair under a protocol
+/// engine (`gdr/protocol/engine.hpp`), and the transport's tag, options and
+/// counters.
+///
+/// How it works
+/// ============
+/// A `connection` lives on the heap and belongs to one scheduler; everything
+/// below runs on that scheduler's thread. Its work requests complete through
+/// the scheduler's `cq_poller` (`gdr/transport/verbs/completion.hpp`): every
+/// `wr_id` is a receive buffer or a send slot of this connection.
+///
+/// Frames. Every protocol frame starts as a SEND of a 72-byte verbs header
+/// (`detail::verbs::wire_header`: the protocol header, a credit grant, and
+/// for an `rtr` the receive buffer's address and remote key) followed by
+/// the first payload bytes; a payload larger than one buffer continues in
+/// further SENDs (`cont`), in order (RC delivers in order). A SEND of at
+/// most the queue pair's inline limit goes inline, straight from the
+/// user's buffer (the CPU copies it into the work request); a larger one is
+/// copied into a registered send slot.
+///
+/// Rendezvous data. The receive that answers an announcement registers its
+/// view and sends the address and key in its `rtr`. The sender registers the
+/// message and posts unsignaled RDMA WRITEs and one signaled
+/// `RDMA_WRITE_WITH_IMM` (immediate = the `rtr`'s token) straight from its
+/// buffer into the receiver's: no copy on either side
+/// (`transfer_path::host_zero_copy`). The immediate consumes a receive buffer
+/// and gives the receiver a completion in order with the other frames; the
+/// receiver then hands the engine the `data` header, with the bytes already
+/// in place. Until that completion the receiver keeps its `rtr` frame (and so
+/// the receive's memory, even if the receive was cancelled meanwhile): the
+/// peer's NIC may be writing into it. A receive whose view cannot be
+/// registered sends its `rtr` without a key and gets the data as SENDs
+/// through the bounce buffers (`host_eager`).
+///
+/// Credits. Each side posts `rx_depth` receive buffers before connecting and
+/// tells the peer (connection private data). A SEND or WRITE_WITH_IMM
+/// consumes one; every header carries the count of buffers this side has
+/// consumed and posted again, so the peer knows what it may send. A sender
+/// keeps one buffer in reserve for a credit-only message: when one side
+/// owes many credits and has nothing to send, it sends one, so two sides
+/// that both ran out can never wait for each other. Credits are read when a
+/// completion arrives, also while the engine has paused on an earlier
+/// header (back-pressure: the paused buffer and those behind it stay
+/// consumed, and the sender stops).
+///
+/// Failure. An error completion, a queue pair event from the device, or
+/// rdma_cm's DISCONNECTED (the peer's process closed its connection, or was
+/// killed: the kernel sends the disconnect request) fails the engine; the
+/// queue pair is moved to the error state, which flushes every posted work
+/// request back (`IBV_WC_WR_FLUSH_ERR`). The connection is quiet, and may be
+/// freed, once every work request has come back. A peer that vanishes
+/// without a word (power, cable) is noticed by the transport's retries:
+/// `endpoint_options::ack_timeout` and `retry_count` bound how long a work
+/// request waits for an acknowledgement, and an idle connection with work
+/// pending sends a keepalive (a zero-byte RDMA WRITE) every
+/// `endpoint_options::keepalive`.
+#pragma once
+
+#include <infiniband/verbs.h>
+#include <liburing.h>
+#include <poll.h>
+#include <rdma/rdma_cma.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <gdr/error.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/protocol/engine.hpp>
+#include <gdr/sched/operation.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/common.hpp>
+#include <gdr/transport/verbs/completion.hpp>
+#include <gdr/transport/verbs/memory.hpp>
+
+namespace gdr {
+
+namespace verbs {
+
+/// The verbs transport's tag: the key of its rows in the path table.
+struct endpoint_stats;
+struct transport {
+  static constexpr const char* name = "verbs";
+  using stats_type = endpoint_stats;
+};
+
+/// Tuning of one endpoint. The defaults suit Soft-RoCE and a datacenter NIC.
+struct endpoint_options {
+  /// The protocol layer's tuning.
+  protocol_options protocol{};
+  /// Bytes of each receive buffer and send slot: the largest SEND.
+  std::size_t buffer_size = 32 * 1024;
+  /// Receive buffers posted (the peer's credits).
+  unsigned rx_depth = 64;
+  /// Send slots: signaled work requests in flight.
+  unsigned tx_depth = 64;
+  /// Inline data asked for at queue pair creation (the device may give
+  /// less; `connection::max_inline()` says what it gave). 0: never inline.
+  unsigned max_inline = 220;
+  /// Keep registrations of users' buffers cached after their transfer
+  /// (see `gdr/transport/verbs/memory.hpp`: then invalidate before freeing).
+  bool cache_registrations = false;
+  /// An idle connection with operations pending probes its peer this often
+  /// (a zero-byte RDMA WRITE); zero: never.
+  std::chrono::milliseconds keepalive{500};
+  /// Local ACK timeout exponent: 4.096 us * 2^ack_timeout per try (15: 134 ms).
+  std::uint8_t ack_timeout = 15;
+  /// Transport retries before a work request fails (at most 7).
+  std::uint8_t retry_count = 7;
+  /// Make a zero-copy `Device` endpoint: GPUDirect RDMA is probed for GPU
+  /// `gpu` and this endpoint's NIC, and the endpoint is not made if it is
+  /// not there (`errc::gpudirect_unavailable`, saying which check failed).
+  bool gpudirect = false;
+  /// The GPU a zero-copy `Device` endpoint serves (CUDA device ordinal).
+  int gpu = 0;
+};
+
+/// Counters of one endpoint: the protocol layer's, and the transport's.
+struct endpoint_stats : protocol_stats {
+  std::uint64_t send_wrs = 0;        ///< SEND work requests (a frame's first buffer, and continuations)
+  std::uint64_t inline_sends = 0;    ///< of which inline
+  std::uint64_t fragments = 0;       ///< continuation SENDs of payloads larger than a buffer
+  std::uint64_t write_wrs = 0;       ///< RDMA WRITE work requests (WITH_IMM included)
+  std::uint64_t rdma_received = 0;   ///< rendezvous payloads the peer wrote straight into a receive
+  std::uint64_t credit_messages = 0; ///< credit-only SENDs
+  std::uint64_t credit_stalls = 0;   ///< times a frame waited for credits
+  std::uint64_t registrations = 0;   ///< users' buffers registered (or found cached)
+  std::uint64_t registration_failures = 0;  ///< ... that could not be: bounce buffers instead
+  std::uint64_t keepalives = 0;      ///< keepalive probes sent
+  std::uint64_t completions = 0;     ///< work completions of this connection
+};
+
+}  // namespace verbs
+
+namespace detail::verbs {
+
+using gdr::verbs::endpoint_options;
+using gdr::verbs::endpoint_stats;
+using proto::frame;
+
+/// What each side tells the other in rdma_cm's private data.
+struct conn_params {
+  std::uint32_t magic = 0x56524447u;  // "GDRV"
+  std::uint16_t version = 1;
+  std::uint16_t flags = 0;
+  std::uint32_t rx_depth = 0;
+  std::uint32_t buffer_size = 0;
+};
+static_assert(sizeof(conn_params) == 16);
+
+inline bool params_ok(const conn_params& p) noexcept {
+  return p.magic == 0x56524447u && p.version == 1 && p.rx_depth >= 2 && p.buffer_size >= 256;
+}
+
+/// What starts every SEND (host byte order: both ends run this library on
+/// the same architecture).
+struct wire_header {
+  enum kind_t : std::uint8_t { frame = 1, cont = 2, credit = 3 };
+  std::uint8_t kind = 0;
+  std::uint8_t type = 0;
+  std::uint8_t status = 0;
+  std::uint8_t pad0 = 0;
+  std::uint32_t credits = 0;  ///< receive buffers the sender has consumed and posted again (mod 2^32)
+  std::uint64_t length = 0;
+  std::uint64_t size = 0;
+  std::uint64_t tag = 0;
+  std::uint64_t id = 0;
+  std::uint64_t addr = 0;
+  std::uint64_t key = 0;
+  std::uint64_t raddr = 0;  ///< rtr: where the receive's bytes go (0: send them)
+  std::uint32_t rkey = 0;   ///< rtr: its remote key
+  std::uint32_t pad1 = 0;
+};
+static_assert(sizeof(wire_header) == 72);
+inline constexpr std::size_t wire_size = sizeof(wire_header);
+
+/// The protocol header a frame header carries, or why not.
+inline bool decode(const wire_header& w, std::uint64_t max, proto::header& h) noexcept {
+  if (w.kind != wire_header::frame || w.pad0 != 0 || w.pad1 != 0) return false;
+  if (w.type < proto::msg_min || w.type > proto::msg_max) return false;
+  if (w.status > static_cast<std::uint8_t>(proto::status::remote_access)) return false;
+  h = proto::header{};
+  h.type = static_cast<proto::msg>(w.type);
+  h.st = static_cast<proto::status>(w.status);
+  h.length = w.length;
+  h.size = w.size;
+  h.tag = w.tag;
+  h.id = w.id;
+  h.addr = w.addr;
+  h.key = w.key;
+  if (!proto::valid(h, max)) return false;
+  // Only an rtr names a remote buffer.
+  if (h.type != proto::msg::rtr && (w.raddr != 0 || w.rkey != 0)) return false;
+  return true;
+}
+
+/// `a` is later than `b` in 32-bit serial arithmetic.
+constexpr bool after(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(a - b) > 0; }
+
+/// Maps a failed work completion to the endpoint's error.
+inline std::error_code wc_error(ibv_wc_status s) noexcept {
+  switch (s) {
+    case IBV_WC_SUCCESS: return {};
+    case IBV_WC_REM_ACCESS_ERR:
+    case IBV_WC_REM_INV_REQ_ERR:
+    case IBV_WC_LOC_PROT_ERR:
+    case IBV_WC_LOC_LEN_ERR:
+    case IBV_WC_REM_OP_ERR: return errc::protocol_error;
+    default: return errc::connection_lost;
+  }
+}
+
+/// One RC queue pair: the verbs transport under a protocol engine. See the
+/// file comment.
+class connection final : public proto::engine, private gdr::verbs::qp_event_sink {
+ public:
+  /// Largest RDMA WRITE work request of a rendezvous payload (larger ones
+  /// are split, at most `max_write_wrs` requests per payload).
+  static constexpr std::size_t write_chunk = std::size_t{8} << 20;
+  static constexpr std::size_t max_write_wrs = 32;
+
+  /// Makes the queue pair of `id` (whose device is resolved) on `s`'s
+  /// completion queue, registers the bounce buffers and posts the receives.
+  /// The connection sends nothing until `start()`. Throws `gdr::error`.
+  connection(scheduler& s, rdma_cm_id* id, rdma_event_channel* ch, memory_registry& reg,
+             const endpoint_options& o, std::uint64_t caps)
+      : engine(s, reg, o.protocol, stats_, caps), id_(id), ch_(ch), vopts_(o) {
+    buf_ = std::max<std::size_t>(vopts_.buffer_size, 1024);
+    rx_n_ = std::max(vopts_.rx_depth, 4u);
+    tx_n_ = std::max(vopts_.tx_depth, 4u);
+    sq_depth_ = static_cast<int>(tx_n_ + max_write_wrs * 2);
+    kick_.self = this;
+    kick_.run = &on_kick;
+    cm_watch_.self = this;
+    cm_watch_.complete = &on_cm_readable;
+    poller_ = &gdr::verbs::cq_poller::acquire(s);
+    try {
+      setup();
+    } catch (...) {
+      // The caller keeps the id and its channel; only what setup() made goes.
+      if (id_->qp != nullptr) {
+        if (dq_ != nullptr) poller_->unwatch_qp(dq_, id_->qp);
+        rdma_destroy_qp(id_);
+      }
+      id_ = nullptr;
+      ch_ = nullptr;
+      teardown();
+      throw;
+    }
+  }
+
+  /// The connection is established and the peer's parameters known: say
+  /// hello, start watching rdma_cm's events.
+  void start(const conn_params& peer) noexcept {
+    peer_rx_ = peer.rx_depth;
+    frag_ = std::min<std::size_t>(buf_, peer.buffer_size);
+    established_ = true;
+    enter();
+    start_protocol();
+    arm_cm_watch();
+    last_activity_ = std::chrono::steady_clock::now();
+    leave();
+  }
+
+  /// What this side tells the peer.
+  conn_params params() const noexcept {
+    conn_params p;
+    p.rx_depth = static_cast<std::uint32_t>(rx_n_);
+    p.buffer_size = static_cast<std::uint32_t>(buf_);
+    return p;
+  }
+
+  ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
+  rdma_cm_id* cm_id() const noexcept { return id_; }
+  const endpoint_stats& stats() const noexcept { return stats_; }
+  /// Inline bytes the queue pair accepts.
+  unsigned max_inline() const noexcept { return max_inline_; }
+  /// The device's name ("rxe0", "mlx5_0").
+  std::string device_name() const {
+    return id_ != nullptr && id_->verbs != nullptr ? ibv_get_device_name(id_->verbs->device) : "";
+  }
+
+  std::string peer_name() const override {
+    if (id_ == nullptr) return "(closed)";
+    sockaddr* a = rdma_get_peer_addr(id_);
+    char ip[INET6_ADDRSTRLEN] = "?";
+    unsigned port = ntohs(rdma_get_dst_port(id_));
+    if (a->sa_family == AF_INET) {
+      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a)->sin_addr, ip, sizeof ip);
+      return std::string(ip) + ":" + std::to_string(port);
+    }
+    ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a)->sin6_addr, ip, sizeof ip);
+    return "[" + std::string(ip) + "]:" + std::to_string(port);
+  }
+
+ private:
+  // ---------------------------------------------------------------- slots
+
+  struct rx_slot : gdr::verbs::work {
+    connection* c = nullptr;
+    std::uint32_t index = 0;
+  };
+  struct tx_slot : gdr::verbs::work {
+    connection* c = nullptr;
+    frame* f = nullptr;      // the frame this work request ends, if any
+    std::uint32_t covered = 1;  // send-queue entries this completion frees
+    bool keepalive = false;
+    bool rdma = false;          // f's payload went by RDMA WRITE
+    std::byte* buf = nullptr;   // this slot's bounce buffer
+    gdr::verbs::mr_cache::lease lease{};  // the RDMA source's registration
+    const std::byte* lease_addr = nullptr;
+    std::size_t lease_len = 0;
+    tx_slot* next_free = nullptr;
+  };
+  /// A consumed receive buffer waiting for the engine (in order).
+  struct rx_item {
+    std::uint32_t index;
+    std::uint32_t bytes;
+    std::uint32_t imm;
+    bool is_imm;
+  };
+  /// A rendezvous receive the peer writes into.
+  struct rx_write {
+    std::uint64_t token;
+    std::byte* dst;
+    std::size_t len;
+    gdr::verbs::mr_cache::lease lease;
+    frame* rtr;
+    bool rtr_done;   // its SEND completed (the frame is held until the data is in)
+    bool data_done;  // the WRITE_WITH_IMM arrived
+  };
+  /// Where the peer's rtr said a rendezvous payload goes.
+  struct remote_dst {
+    std::uint64_t token;
+    std::uint64_t raddr;
+    std::uint32_t rkey;
+  };
+  struct kick_node : remote_work {
+    connection* self = nullptr;
+  };
+  struct cm_op : operation {
+    connection* self = nullptr;
+  };
+  enum where_t : std::uint8_t { nowhere = 0, in_tx = 1, in_posted = 2, in_dropped = 3 };
+
+  // ---------------------------------------------------------------- set-up and teardown
+
+  void setup() {
+    ibv_context* ctx = id_->verbs;
+    if (ctx == nullptr) throw gdr::error(errc::no_device, "gdr::verbs: the rdma_cm id has no device");
+    int entries = sq_depth_ + static_cast<int>(rx_n_);
+    result<gdr::verbs::device_queue*> dq = poller_->reserve(ctx, entries);
+    if (!dq) throw gdr::error(dq.error(), "gdr::verbs: completion queue");
+    dq_ = *dq;
+    reserved_ = entries;
+    rx_mem_.reset(new (std::align_val_t{4096}) std::byte[rx_n_ * buf_]);
+    tx_mem_.reset(new (std::align_val_t{4096}) std::byte[tx_n_ * buf_]);
+    auto rxm = gdr::verbs::owned_mr::make(dq_->pd, rx_mem_.get(), rx_n_ * buf_, IBV_ACCESS_LOCAL_WRITE);
+    if (!rxm) throw gdr::error(rxm.error(), "gdr::verbs: ibv_reg_mr (receive buffers)");
+    rx_mr_ = std::move(*rxm);
+    auto txm = gdr::verbs::owned_mr::make(dq_->pd, tx_mem_.get(), tx_n_ * buf_, IBV_ACCESS_LOCAL_WRITE);
+    if (!txm) throw gdr::error(txm.error(), "gdr::verbs: ibv_reg_mr (send slots)");
+    tx_mr_ = std::move(*txm);
+    rx_slots_.reset(new rx_slot[rx_n_]);
+    tx_slots_.reset(new tx_slot[tx_n_]);
+    backlog_.reset(new rx_item[rx_n_]);
+    for (std::uint32_t i = 0; i < rx_n_; ++i) {
+      rx_slots_[i].c = this;
+      rx_slots_[i].index = i;
+      rx_slots_[i].complete = &on_rx;
+    }
+    for (std::uint32_t i = tx_n_; i-- > 0;) {
+      tx_slot& t = tx_slots_[i];
+      t.c = this;
+      t.complete = &on_tx;
+      t.buf = tx_mem_.get() + std::size_t{i} * buf_;
+      t.next_free = free_tx_;
+      free_tx_ = &t;
+    }
+    ibv_qp_init_attr qa{};
+    qa.send_cq = dq_->cq;
+    qa.recv_cq = dq_->cq;
+    qa.qp_type = IBV_QPT_RC;
+    qa.sq_sig_all = 0;
+    qa.cap.max_send_wr = static_cast<std::uint32_t>(sq_depth_);
+    qa.cap.max_recv_wr = rx_n_;
+    qa.cap.max_send_sge = 2;
+    qa.cap.max_recv_sge = 1;
+    qa.cap.max_inline_data = vopts_.max_inline;
+    if (rdma_create_qp(id_, dq_->pd, &qa) != 0) {
+      // Some devices give less inline data than asked: try without.
+      qa.cap.max_inline_data = 0;
+      if (rdma_create_qp(id_, dq_->pd, &qa) != 0) throw gdr::error(errno_code(errno), "gdr::verbs: rdma_create_qp");
+    }
+    max_inline_ = qa.cap.max_inline_data;
+    poller_->watch_qp(dq_, id_->qp, this);
+    for (std::uint32_t i = 0; i < rx_n_; ++i)
+      if (std::error_code ec = post_recv(i)) throw gdr::error(ec, "gdr::verbs: ibv_post_recv");
+  }
+
+  /// Frees what setup() made. The queue pair must have no work request
+  /// outstanding (flushed, or never posted).
+  void teardown() noexcept {
+    if (id_ != nullptr) {
+      if (id_->qp != nullptr) {
+        if (dq_ != nullptr) poller_->unwatch_qp(dq_, id_->qp);
+        rdma_destroy_qp(id_);
+      }
+      rdma_destroy_id(id_);
+      id_ = nullptr;
+    }
+    if (ch_ != nullptr) {
+      rdma_destroy_event_channel(ch_);
+      ch_ = nullptr;
+    }
+    rx_writes_.clear();
+    for (std::uint32_t i = 0; tx_slots_ && i < tx_n_; ++i) tx_slots_[i].lease.release();
+    rx_mr_.reset();
+    tx_mr_.reset();
+    if (dq_ != nullptr) {
+      poller_->unreserve(dq_, reserved_);
+      dq_ = nullptr;
+    }
+    if (poller_ != nullptr) std::exchange(poller_, nullptr)->release();
+  }
+
+  ~connection() override { teardown(); }
+
+  void destroy() noexcept override { delete this; }
+
+ public:
+  /// A connection whose set-up failed before it started: fail and free it
+  /// once its queue pair has flushed (through the engine's abandon).
+  void discard() noexcept { abandon(); }
+
+ private:
+  // ---------------------------------------------------------------- the engine's hooks
+
+  void link_post(frame& f) noexcept override {
+    f.queued = true;
+    f.sealed = false;
+    f.in_flight = false;
+    f.written = 0;
+    if (failed() || shut_) {
+      drop(f);
+      kick();
+      return;
+    }
+    if (f.hdr.type == proto::msg::rtr) attach_receive(f);
+    f.where = in_tx;
+    tx_.push_back(&f);
+    if (established_) pump_tx();
+  }
+
+  bool link_withdraw(frame& f) noexcept override {
+    if (!f.queued || (f.sealed && !failed())) return false;
+    if (f.where == in_tx) {
+      if (f.sealed) return false;
+      tx_.erase(&f);
+    } else if (f.where == in_dropped) {
+      dropped_.erase(&f);
+    } else {
+      return false;
+    }
+    f.where = nowhere;
+    f.queued = false;
+    return true;
+  }
+
+  bool link_committed(const frame& f) const noexcept override { return f.queued && f.sealed; }
+
+  void link_resume() noexcept override {
+    if (paused_) kick();
+  }
+
+  bool link_abort_target() noexcept override {
+    // Placement is a memcpy per buffer: between buffers nothing touches the
+    // destination. The rest of the payload is dropped.
+    if (cont_.active) {
+      cont_.dst = nullptr;
+      cont_.want_left = 0;
+      cont_.notified = true;
+    }
+    return true;
+  }
+
+  void link_shutdown() noexcept override {
+    if (shut_) return;
+    shut_ = true;
+    paused_ = false;
+    if (id_ != nullptr && id_->qp != nullptr) {
+      // The error state flushes every posted work request back, and the
+      // peer's NIC can no longer write into this side's memory.
+      ibv_qp_attr a{};
+      a.qp_state = IBV_QPS_ERR;
+      ibv_modify_qp(id_->qp, &a, IBV_QP_STATE);
+    }
+    if (established_ && id_ != nullptr) rdma_disconnect(id_);  // the peer learns at once
+    while (frame* f = tx_.head) {
+      tx_.erase(f);
+      if (f->sealed) {
+        // Partly posted: its flushed completions cannot end it (no
+        // completion names it), so it is handed back here.
+        drop(*f);
+      } else {
+        drop(*f);
+      }
+    }
+    // Receives the peer was to write into: the queue pair is in error, so
+    // their memory is free again. An rtr still being sent comes back flushed.
+    for (auto it = rx_writes_.begin(); it != rx_writes_.end();) {
+      if (it->rtr_done) {
+        drop(*it->rtr);
+        it = rx_writes_.erase(it);
+      } else {
+        it->lease.release();
+        ++it;
+      }
+    }
+    if (cm_watch_in_flight_) sched().cancel(&cm_watch_);
+    backlog_head_ = backlog_tail_;  // nothing more is parsed
+    cont_ = {};
+    kick();
+  }
+
+  bool link_flush() noexcept override { return false; }
+
+  bool link_quiet() const noexcept override {
+    return rx_outstanding_ == 0 && sq_used_ == 0 && tx_busy_ == 0 && !cm_watch_in_flight_ && !kick_posted_ &&
+           dropped_.empty();
+  }
+
+  void link_release() noexcept override {}
+
+  transfer_path link_rx_path(bool direct) const noexcept override {
+    return direct ? transfer_path::host_zero_copy : transfer_path::host_eager;
+  }
+  transfer_path link_tx_path() const noexcept override { return tx_path_; }
+
+  // ---------------------------------------------------------------- qp events
+
+  void on_tick() noexcept override { keepalive_tick(); }
+
+  void on_qp_event(ibv_event_type type) noexcept override {
+    enter();
+    if (!failed()) {
+      std::fprintf(stderr, "gdr verbs: %s: device event %s: the connection fails\n", peer_name().c_str(),
+                   ibv_event_type_str(type));
+      on_link_failed(errc::connection_lost);
+    }
+    on_io_done();
+    leave();
+  }
+
+  // ---------------------------------------------------------------- receiving
+
+  std::error_code post_recv(std::uint32_t i) noexcept {
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<std::uintptr_t>(rx_mem_.get() + std::size_t{i} * buf_);
+    sge.length = static_cast<std::uint32_t>(buf_);
+    sge.lkey = rx_mr_.lkey();
+    ibv_recv_wr wr{};
+    wr.wr_id = rx_slots_[i].wr_id();
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    int rc = ibv_post_recv(id_->qp, &wr, &bad);  // returns an errno value
+    if (rc != 0) return errno_code(rc);
+    ++rx_outstanding_;
+    return {};
+  }
+
+  /// A consumed buffer goes back to the queue: one more credit for the peer.
+  void repost(std::uint32_t i) noexcept {
+    if (shut_) return;
+    if (std::error_code ec = post_recv(i)) {
+      if (!failed()) on_link_failed(ec);
+      return;
+    }
+    ++reposted_;
+  }
+
+  static void on_rx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
+    auto* slot = static_cast<rx_slot*>(w);
+    connection* c = slot->c;
+    c->enter();
+    c->rx_done(*slot, wc);
+    c->on_io_done();
+    c->leave();  // may free c
+  }
+
+  void rx_done(rx_slot& slot, const ibv_wc& wc) noexcept {
+    --rx_outstanding_;
+    ++stats_.completions;
+    last_activity_ = std::chrono::steady_clock::now();
+    if (wc.status != IBV_WC_SUCCESS) {
+      if (!failed()) fail_wc(wc);
+      return;
+    }
+    if (shut_) return;
+    std::byte* b = rx_mem_.get() + std::size_t{slot.index} * buf_;
+    if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+      push_backlog({slot.index, 0, wc.imm_data, true});
+    } else {
+      if (wc.byte_len < wire_size) {
+        protocol_fail();
+        return;
+      }
+      wire_header w;
+      std::memcpy(&w, b, wire_size);
+      if (after(w.credits, peer_granted_)) peer_granted_ = w.credits;
+      if (w.kind == wire_header::credit) {
+        repost(slot.index);
+      } else {
+        push_backlog({slot.index, wc.byte_len, 0, false});
+      }
+    }
+    parse();
+    pump_tx();
+  }
+
+  void push_backlog(rx_item it) noexcept {
+    // At most rx_n_ buffers are consumed and not yet reposted.
+    backlog_[backlog_tail_ % rx_n_] = it;
+    ++backlog_tail_;
+  }
+
+  /// Hands the consumed buffers to the engine, in order, until it pauses.
+  void parse() noexcept {
+    while (!paused_ && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
+      const rx_item& it = backlog_[backlog_head_ % rx_n_];
+      bool done = it.is_imm ? rx_write_arrived(it) : rx_buffer(it);
+      if (!done) return;
+      std::uint32_t index = it.index;
+      ++backlog_head_;
+      repost(index);
+    }
+    if (peer_gone_ && !failed() && backlog_head_ == backlog_tail_) on_link_failed(errc::connection_lost);
+  }
+
+  /// One SEND's bytes. False: paused or failed (the buffer stays).
+  bool rx_buffer(const rx_item& it) noexcept {
+    const std::byte* b = rx_mem_.get() + std::size_t{it.index} * buf_;
+    wire_header w;
+    std::memcpy(&w, b, wire_size);
+    const std::byte* payload = b + wire_size;
+    std::size_t avail = it.bytes - wire_size;
+    if (cont_.active) {
+      if (w.kind != wire_header::cont || avail > cont_.remaining || avail == 0) return protocol_fail();
+      std::size_t take = std::min(avail, cont_.want_left);
+      if (take != 0) std::memcpy(cont_.dst + cont_.done, payload, take);
+      cont_.done += take;
+      cont_.want_left -= take;
+      cont_.remaining -= avail;
+      ++stats_.fragments;
+      if (cont_.want_left == 0 && !cont_.notified) {
+        cont_.notified = true;
+        on_placed(false);
+      }
+      if (cont_.remaining == 0) cont_ = {};
+      return !failed();
+    }
+    proto::header h;
+    if (!decode(w, options().max_message, h)) return protocol_fail();
+    if (avail > h.length) return protocol_fail();
+    if (h.type == proto::msg::rtr && w.rkey != 0) remember_remote(h.addr, w.raddr, w.rkey);
+    proto::rx_plan plan = on_header(h);
+    switch (plan.act) {
+      case proto::rx_plan::action::pause: paused_ = true; return false;
+      case proto::rx_plan::action::fail: return protocol_fail();
+      case proto::rx_plan::action::place: break;
+    }
+    std::size_t take = std::min(avail, plan.want);
+    if (take != 0) std::memcpy(plan.dst, payload, take);
+    if (avail == h.length) {
+      on_placed(false);
+      return !failed();
+    }
+    cont_.active = true;
+    cont_.dst = plan.dst;
+    cont_.done = take;
+    cont_.want_left = plan.want - take;
+    cont_.remaining = h.length - avail;
+    cont_.notified = false;
+    if (cont_.want_left == 0) {
+      cont_.notified = true;
+      on_placed(false);
+    }
+    return !failed();
+  }
+
+  /// A WRITE_WITH_IMM: the rendezvous payload of the rtr with token `imm`
+  /// is in place.
+  bool rx_write_arrived(const rx_item& it) noexcept {
+    auto w = std::find_if(rx_writes_.begin(), rx_writes_.end(),
+                          [&](const rx_write& x) { return static_cast<std::uint32_t>(x.token) == it.imm; });
+    if (w == rx_writes_.end()) return protocol_fail();
+    proto::header h;
+    h.type = proto::msg::data;
+    h.length = w->len;
+    h.addr = w->token;
+    proto::rx_plan plan = on_header(h);
+    if (plan.act == proto::rx_plan::action::pause) {
+      paused_ = true;
+      return false;
+    }
+    if (plan.act == proto::rx_plan::action::fail) return protocol_fail();
+    // The engine places a rendezvous payload where its receive's view is:
+    // where the peer wrote it. A dropped one (cancelled receive) has no dst.
+    if (plan.want != 0 && plan.dst != w->dst) std::memmove(plan.dst, w->dst, plan.want);
+    ++stats_.rdma_received;
+    w->data_done = true;
+    on_placed(true);
+    finish_rx_write(w);
+    return !failed();
+  }
+
+  /// Ends a rendezvous receive's registration once both its rtr's SEND
+  /// and the data are done.
+  void finish_rx_write(std::vector<rx_write>::iterator w) noexcept {
+    if (!w->rtr_done || !w->data_done) return;
+    frame* rtr = w->rtr;
+    release_lease(w->lease, w->dst, w->len, recv_cache());
+    rx_writes_.erase(w);
+    on_sent(*rtr, {});
+  }
+
+  void remember_remote(std::uint64_t token, std::uint64_t raddr, std::uint32_t rkey) noexcept {
+    for (auto& r : remotes_)
+      if (r.token == token) {
+        r.raddr = raddr;
+        r.rkey = rkey;
+        return;
+      }
+    try {
+      remotes_.push_back({token, raddr, rkey});
+    } catch (...) {
+      // Without the key the data goes as SENDs.
+    }
+  }
+
+  /// An rtr about to go out: register the receive's view and send its key.
+  void attach_receive(frame& f) noexcept {
+    f.encoded[0] = std::byte{0};
+    if (f.owner == nullptr || f.hdr.size == 0) return;
+    std::byte* dst = f.owner->buffer_data();
+    auto len = static_cast<std::size_t>(f.hdr.size);
+    auto l = recv_cache().acquire(dst, len);
+    if (!l) {
+      ++stats_.registration_failures;
+      return;
+    }
+    ++stats_.registrations;
+    try {
+      rx_writes_.push_back({f.hdr.addr, dst, len, std::move(*l), &f, false, false});
+    } catch (...) {
+      return;
+    }
+    f.encoded[0] = std::byte{1};  // this rtr carries a key
+  }
+
+  gdr::verbs::mr_cache& recv_cache() noexcept { return *dq_->recv_mrs; }
+  gdr::verbs::mr_cache& send_cache() noexcept { return *dq_->send_mrs; }
+
+  void release_lease(gdr::verbs::mr_cache::lease& l, const void* addr, std::size_t len,
+                     gdr::verbs::mr_cache& cache) noexcept {
+    if (!l) return;
+    l.release();
+    if (!vopts_.cache_registrations) cache.invalidate(addr, len);
+  }
+
+  // ---------------------------------------------------------------- sending
+
+  std::uint32_t in_flight() const noexcept { return sent_ - peer_granted_; }
+  bool credit_for(bool credit_only) const noexcept {
+    std::uint32_t limit = credit_only ? peer_rx_ : peer_rx_ - 1;
+    return in_flight() < limit;
+  }
+
+  tx_slot* take_tx() noexcept {
+    tx_slot* t = free_tx_;
+    if (t != nullptr) {
+      free_tx_ = t->next_free;
+      ++tx_busy_;
+    }
+    return t;
+  }
+  void free_tx(tx_slot* t) noexcept {
+    t->f = nullptr;
+    t->keepalive = false;
+    t->rdma = false;
+    t->covered = 1;
+    t->next_free = free_tx_;
+    free_tx_ = t;
+    --tx_busy_;
+  }
+
+  /// Posts what resources allow, in order.
+  void pump_tx() noexcept {
+    if (!established_ || shut_) return;
+    while (frame* f = tx_.head) {
+      if (shut_ || !post_frame(*f)) break;
+      tx_.erase(f);
+      f->where = in_posted;
+    }
+    maybe_send_credits();
+  }
+
+  /// Posts (the rest of) `f`. True when all of it is posted.
+  bool post_frame(frame& f) noexcept {
+    if (f.hdr.type == proto::msg::data && !f.sealed) {
+      auto r = std::find_if(remotes_.begin(), remotes_.end(), [&](const remote_dst& x) { return x.token == f.hdr.addr; });
+      if (r != remotes_.end()) {
+        int res = post_rdma(f, *r);
+        if (res > 0) {
+          remotes_.erase(r);
+          return true;
+        }
+        if (res == 0) return false;  // waits for resources
+        remotes_.erase(r);            // could not register: SENDs instead
+      }
+    }
+    return post_sends(f);
+  }
+
+  /// The rendezvous payload of `f` by RDMA WRITE. 1: posted; 0: no
+  /// resources yet; -1: its buffer cannot be registered.
+  int post_rdma(frame& f, const remote_dst& r) noexcept {
+    auto len = static_cast<std::size_t>(f.hdr.length);
+    std::size_t chunk = std::max(write_chunk, (len + max_write_wrs - 1) / max_write_wrs);
+    int nwr = static_cast<int>((len + chunk - 1) / chunk);
+    if (!credit_for(false) || free_tx_ == nullptr || sq_used_ + nwr > sq_depth_) {
+      if (!credit_for(false)) ++stats_.credit_stalls;
+      return 0;
+    }
+    auto l = send_cache().acquire(f.payload, len);
+    if (!l) {
+      ++stats_.registration_failures;
+      return -1;
+    }
+    ++stats_.registrations;
+    tx_slot* t = take_tx();
+    ibv_send_wr wrs[max_write_wrs];
+    ibv_sge sges[max_write_wrs];
+    std::uint32_t lkey = l->handle()->lkey;
+    for (int i = 0; i < nwr; ++i) {
+      std::size_t off = static_cast<std::size_t>(i) * chunk;
+      sges[i] = {};
+      sges[i].addr = reinterpret_cast<std::uintptr_t>(f.payload) + off;
+      sges[i].length = static_cast<std::uint32_t>(std::min(chunk, len - off));
+      sges[i].lkey = lkey;
+      ibv_send_wr& wr = wrs[i];
+      wr = {};
+      wr.sg_list = &sges[i];
+      wr.num_sge = 1;
+      wr.wr.rdma.remote_addr = r.raddr + off;
+      wr.wr.rdma.rkey = r.rkey;
+      bool last = i + 1 == nwr;
+      wr.opcode = last ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+      wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
+      wr.wr_id = last ? t->wr_id() : gdr::verbs::unsignaled_work()->wr_id();
+      if (last) wr.imm_data = static_cast<std::uint32_t>(f.hdr.addr);
+      wr.next = last ? nullptr : &wrs[i + 1];
+    }
+    t->f = &f;
+    t->covered = static_cast<std::uint32_t>(nwr);
+    t->rdma = true;
+    t->lease = std::move(*l);
+    t->lease_addr = f.payload;
+    t->lease_len = len;
+    if (!post_send_wrs(wrs, nwr, t)) return 0;  // failed: link_shutdown hands f back
+    f.sealed = true;
+    f.written = len;
+    ++sent_;
+    stats_.write_wrs += static_cast<std::uint64_t>(nwr);
+    return 1;
+  }
+
+  /// Posts `n` chained work requests ending with slot `t`'s. False: the
+  /// post failed (the connection fails; `t` is freed).
+  bool post_send_wrs(ibv_send_wr* wrs, int n, tx_slot* t) noexcept {
+    ibv_send_wr* bad = nullptr;
+    int rc = ibv_post_send(id_->qp, wrs, &bad);  // returns an errno value
+    if (rc != 0) {
+      // The frame stays where it is (on tx_): the failure hands it back.
+      release_lease(t->lease, t->lease_addr, t->lease_len, send_cache());
+      free_tx(t);
+      if (!failed()) on_link_failed(errno_code(rc));
+      return false;
+    }
+    sq_used_ += n;
+    if (busy_noted_++ == 0) poller_->note_busy(1);
+    last_activity_ = std::chrono::steady_clock::now();
+    return true;
+  }
+
+  /// The frame (or its rest) as SENDs through the bounce buffers.
+  bool post_sends(frame& f) noexcept {
+    auto len = static_cast<std::size_t>(f.hdr.length);
+    const std::size_t room = frag_ - wire_size;
+    for (;;) {
+      bool first = !f.sealed;
+      if (!first && f.written == len) return true;
+      if (!credit_for(false)) {
+        ++stats_.credit_stalls;
+        return false;
+      }
+      if (free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return false;
+      std::size_t chunk = std::min(len - f.written, room);
+      bool last = f.written + chunk == len;
+      tx_slot* t = take_tx();
+      wire_header w;
+      w.kind = first ? wire_header::frame : wire_header::cont;
+      if (first) {
+        w.type = static_cast<std::uint8_t>(f.hdr.type);
+        w.status = static_cast<std::uint8_t>(f.hdr.st);
+        w.length = f.hdr.length;
+        w.size = f.hdr.size;
+        w.tag = f.hdr.tag;
+        w.id = f.hdr.id;
+        w.addr = f.hdr.addr;
+        w.key = f.hdr.key;
+        if (f.hdr.type == proto::msg::rtr && f.encoded[0] == std::byte{1}) {
+          for (auto& x : rx_writes_)
+            if (x.rtr == &f) {
+              w.raddr = reinterpret_cast<std::uintptr_t>(x.dst);
+              w.rkey = x.lease.handle()->rkey;
+            }
+        }
+      }
+      w.credits = reposted_;
+      granted_ = reposted_;
+      const std::byte* src = f.payload + f.written;
+      ibv_sge sge[2]{};
+      ibv_send_wr wr{};
+      wr.opcode = IBV_WR_SEND;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.wr_id = t->wr_id();
+      if (wire_size + chunk <= max_inline_) {
+        // Inline: the provider copies header and payload into the work
+        // request now; nothing is read later.
+        std::memcpy(t->buf, &w, wire_size);
+        sge[0].addr = reinterpret_cast<std::uintptr_t>(t->buf);
+        sge[0].length = static_cast<std::uint32_t>(wire_size);
+        sge[1].addr = reinterpret_cast<std::uintptr_t>(src);
+        sge[1].length = static_cast<std::uint32_t>(chunk);
+        wr.num_sge = chunk != 0 ? 2 : 1;
+        wr.send_flags |= IBV_SEND_INLINE;
+        ++stats_.inline_sends;
+      } else {
+        std::memcpy(t->buf, &w, wire_size);
+        if (chunk != 0) std::memcpy(t->buf + wire_size, src, chunk);
+        sge[0].addr = reinterpret_cast<std::uintptr_t>(t->buf);
+        sge[0].length = static_cast<std::uint32_t>(wire_size + chunk);
+        sge[0].lkey = tx_mr_.lkey();
+        wr.num_sge = 1;
+      }
+      wr.sg_list = sge;
+      if (last) t->f = &f;
+      if (!post_send_wrs(&wr, 1, t)) return false;
+      f.sealed = true;
+      f.written += chunk;
+      ++sent_;
+      ++stats_.send_wrs;
+      if (last) return true;
+    }
+  }
+
+  /// Sends a credit-only message when the peer may be waiting for credits
+  /// and nothing else carries them.
+  void maybe_send_credits() noexcept {
+    if (!established_ || shut_ || failed()) return;
+    std::uint32_t owed = reposted_ - granted_;
+    if (owed == 0 || owed < rx_n_ / 2) return;
+    if (tx_.head != nullptr && credit_for(false)) return;  // the next frame carries them
+    if (!credit_for(true) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
+    tx_slot* t = take_tx();
+    wire_header w;
+    w.kind = wire_header::credit;
+    w.credits = reposted_;
+    granted_ = reposted_;
+    std::memcpy(t->buf, &w, wire_size);
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<std::uintptr_t>(t->buf);
+    sge.length = static_cast<std::uint32_t>(wire_size);
+    sge.lkey = tx_mr_.lkey();
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED | (wire_size <= max_inline_ ? IBV_SEND_INLINE : 0);
+    wr.wr_id = t->wr_id();
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    if (!post_send_wrs(&wr, 1, t)) return;
+    ++sent_;
+    ++stats_.credit_messages;
+  }
+
+  static void on_tx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
+    if (w == nullptr) return;
+    auto* t = static_cast<tx_slot*>(w);
+    connection* c = t->c;
+    c->enter();
+    c->tx_done(*t, wc);
+    c->on_io_done();
+    c->leave();  // may free c
+  }
+
+  void tx_done(tx_slot& t, const ibv_wc& wc) noexcept {
+    ++stats_.completions;
+    sq_used_ -= static_cast<int>(t.covered);
+    if (--busy_noted_ == 0) poller_->note_busy(-1);
+    last_activity_ = std::chrono::steady_clock::now();
+    frame* f = t.f;
+    bool rdma = t.rdma;
+    release_lease(t.lease, t.lease_addr, t.lease_len, send_cache());
+    free_tx(&t);
+    std::error_code ec;
+    if (wc.status != IBV_WC_SUCCESS) {
+      if (!failed()) fail_wc(wc);
+      ec = error();
+    }
+    if (f != nullptr) {
+      if (f->where == in_posted) f->where = nowhere;
+      if (f->hdr.type == proto::msg::rtr) {
+        auto x = std::find_if(rx_writes_.begin(), rx_writes_.end(), [&](const rx_write& r) { return r.rtr == f; });
+        if (x != rx_writes_.end()) {
+          if (!ec && !shut_) {
+            // Held until the peer's data is in (see the file comment).
+            x->rtr_done = true;
+            finish_rx_write(x);
+            pump_tx();
+            return;
+          }
+          rx_writes_.erase(x);  // the queue pair is in error: nothing writes into it any more
+          if (!ec) ec = error() ? error() : std::error_code(errc::connection_lost);
+        }
+      }
+      tx_path_ = rdma ? transfer_path::host_zero_copy : transfer_path::host_eager;
+      on_sent(*f, ec);
+    }
+    pump_tx();
+  }
+
+  // ---------------------------------------------------------------- keepalive
+
+ public:
+  /// Probes the peer if the connection has been idle for the keepalive
+  /// interval while operations are pending (called by the endpoint's timer).
+  void keepalive_tick() noexcept {
+    if (!established_ || shut_ || failed() || vopts_.keepalive.count() == 0) return;
+    if (std::chrono::steady_clock::now() - last_activity_ < vopts_.keepalive) return;
+    if (free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
+    tx_slot* t = take_tx();
+    t->keepalive = true;
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_RDMA_WRITE;  // zero bytes: no memory, no key checked
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr_id = t->wr_id();
+    wr.num_sge = 0;
+    enter();
+    if (post_send_wrs(&wr, 1, t)) ++stats_.keepalives;
+    leave();  // cannot free this: the probe is in flight, or the failure still flushes
+  }
+
+ private:
+  // ---------------------------------------------------------------- rdma_cm events
+
+  void arm_cm_watch() noexcept {
+    if (cm_watch_in_flight_ || shut_ || ch_ == nullptr) return;
+    io_uring_sqe* sqe = sched().get_sqe();
+    if (sqe == nullptr) return;
+    io_uring_prep_poll_add(sqe, ch_->fd, POLLIN);
+    io_uring_sqe_set_data(sqe, static_cast<operation*>(&cm_watch_));
+    sched().note_submitted();
+    cm_watch_in_flight_ = true;
+  }
+
+  static void on_cm_readable(operation* o, int, std::uint32_t) noexcept {
+    connection* c = static_cast<cm_op*>(o)->self;
+    c->enter();
+    c->cm_watch_in_flight_ = false;
+    c->cm_events();
+    c->on_io_done();
+    c->leave();
+  }
+
+  void cm_events() noexcept {
+    rdma_cm_event* ev = nullptr;
+    while (ch_ != nullptr && rdma_get_cm_event(ch_, &ev) == 0) {
+      rdma_cm_event_type type = ev->event;
+      rdma_ack_cm_event(ev);
+      switch (type) {
+        case RDMA_CM_EVENT_DISCONNECTED:
+        case RDMA_CM_EVENT_DEVICE_REMOVAL:
+        case RDMA_CM_EVENT_TIMEWAIT_EXIT:
+          if (!failed() && !shut_) {
+            // What the peer sent before leaving is already in the
+            // completion queue: take it first.
+            poller_->drain();
+            if (!failed() && !shut_) {
+              if (paused_ && backlog_head_ != backlog_tail_) {
+                peer_gone_ = true;  // after the kept frames (parse)
+              } else {
+                on_link_failed(errc::connection_lost);
+              }
+            }
+          }
+          break;
+        default: break;
+      }
+    }
+    if (!shut_) arm_cm_watch();
+  }
+
+  // ---------------------------------------------------------------- failure
+
+  bool protocol_fail() noexcept {
+    if (!failed()) on_link_failed(errc::protocol_error);
+    return false;
+  }
+
+  void fail_wc(const ibv_wc& wc) noexcept {
+    if (wc.status != IBV_WC_WR_FLUSH_ERR)
+      std::fprintf(stderr, "gdr verbs: %s: work completion failed: %s\n", peer_name().c_str(),
+                   ibv_wc_status_str(wc.status));
+    on_link_failed(wc_error(wc.status));
+  }
+
+  void drop(frame& f) noexcept {
+    f.where = in_dropped;
+    dropped_.push_back(&f);
+  }
+
+  void kick() noexcept {
+    if (kick_posted_) return;
+    kick_posted_ = true;
+    sched().post(&kick_);
+  }
+
+  static void on_kick(remote_work* w) noexcept {
+    connection* c = static_cast<kick_node*>(w)->self;
+    c->enter();
+    c->kick_posted_ = false;
+    while (frame* f = c->dropped_.pop_front()) {
+      f->where = nowhere;
+      c->on_sent(*f, c->error() ? c->error() : std::error_code(errc::connection_lost));
+    }
+    if (!c->failed() && c->paused_) {
+      c->paused_ = false;
+      c->parse();
+      c->pump_tx();
+    }
+    c->on_io_done();
+    c->leave();
+  }
+
+  // ---------------------------------------------------------------- state
+
+  rdma_cm_id* id_;
+  rdma_event_channel* ch_;
+  endpoint_options vopts_;
+  endpoint_stats stats_{};
+  gdr::verbs::cq_poller* poller_ = nullptr;
+  gdr::verbs::device_queue* dq_ = nullptr;
+  int reserved_ = 0;
+  std::size_t buf_ = 0;    // bytes per buffer (this side)
+  std::size_t frag_ = 0;   // bytes per SEND (the smaller of both sides' buffers)
+  std::uint32_t rx_n_ = 0;
+  std::uint32_t tx_n_ = 0;
+  int sq_depth_ = 0;
+  int sq_used_ = 0;
+  unsigned max_inline_ = 0;
+  bool established_ = false;
+  bool shut_ = false;
+  bool paused_ = false;
+  bool peer_gone_ = false;
+  transfer_path tx_path_ = transfer_path::host_eager;
+  std::chrono::steady_clock::time_point last_activity_{};
+  int busy_noted_ = 0;
+
+  // buffers
+  struct aligned_delete {
+    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{4096}); }
+  };
+  std::unique_ptr<std::byte[], aligned_delete> rx_mem_;
+  std::unique_ptr<std::byte[], aligned_delete> tx_mem_;
+  gdr::verbs::owned_mr rx_mr_;
+  gdr::verbs::owned_mr tx_mr_;
+  std::unique_ptr<rx_slot[]> rx_slots_;
+  std::unique_ptr<tx_slot[]> tx_slots_;
+  tx_slot* free_tx_ = nullptr;
+  int tx_busy_ = 0;
+
+  // credits
+  std::uint32_t peer_rx_ = 2;      // the peer's receive buffers
+  std::uint32_t sent_ = 0;         // SENDs and WRITE_WITH_IMMs posted (each takes one)
+  std::uint32_t peer_granted_ = 0; // the peer's latest grant
+  std::uint32_t reposted_ = 0;     // this side's buffers consumed and posted again
+  std::uint32_t granted_ = 0;      // the grant last sent
+  int rx_outstanding_ = 0;         // receive work requests posted
+
+  // receive side
+  std::unique_ptr<rx_item[]> backlog_;
+  std::uint32_t backlog_head_ = 0;
+  std::uint32_t backlog_tail_ = 0;
+  struct {
+    bool active = false;
+    std::byte* dst = nullptr;
+    std::size_t done = 0;
+    std::size_t want_left = 0;
+    std::uint64_t remaining = 0;
+    bool notified = false;
+  } cont_;
+  std::vector<rx_write> rx_writes_;
+  std::vector<remote_dst> remotes_;
+
+  // send side
+  proto::fifo<frame, &frame::prev, &frame::next> tx_{};
+  proto::fifo<frame, &frame::prev, &frame::next> dropped_{};
+
+  kick_node kick_{};
+  bool kick_posted_ = false;
+  cm_op cm_watch_{};
+  bool cm_watch_in_flight_ = false;
+};
+
+}  // namespace detail::verbs
+
+}  // namespace gdr

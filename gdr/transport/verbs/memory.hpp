@@ -1,0 +1,107 @@
+/// \file
+/// Registration of memory with an RDMA device: the backends a
+/// `gdr::registration_cache` registers through (host memory with
+/// `ibv_reg_mr`; device memory with `ibv_reg_dmabuf_mr` on a dma-buf, see
+/// `gdr/transport/verbs/gpudirect.hpp`), and the caches a scheduler keeps per
+/// device, keyed by address range and by memory space.
+///
+/// What is registered when
+/// =======================
+/// * The connection's own bounce buffers (receive ring, send slots) are
+///   registered once, when it is made.
+/// * A rendezvous receive registers its view before its `rtr` goes out (the
+///   `rtr` carries the address and remote key); the sender registers the
+///   message before its RDMA WRITEs. Both hold a lease until the transfer's
+///   completion; a registration is never released while the NIC may still
+///   touch it (the receiver's lease ends when the sender's WRITE_WITH_IMM
+///   has arrived, or when the connection has failed and its queue pair has
+///   flushed).
+/// * By default an operation's registration is dropped when it completes
+///   (`endpoint_options::cache_registrations` = false): the cache cannot see
+///   `free`, and a cached registration of freed and reused addresses pins the
+///   old pages (`gdr/memory/registration_cache.hpp`, "Stale entries"). With
+///   it on, registrations stay cached and the program must call
+///   `invalidate_registrations(addr, len)` before freeing registered buffers.
+///
+/// A failed registration is not an error: the transfer goes through the
+/// bounce buffers instead, and its path says so (`transfer_path::host_eager`).
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <utility>
+
+#include <gdr/error.hpp>
+#include <gdr/memory/registration_cache.hpp>
+
+namespace gdr::verbs {
+
+/// A registration backend over `ibv_reg_mr` in one protection domain with
+/// fixed access flags.
+struct mr_backend {
+  using handle_type = ibv_mr*;
+  ibv_pd* pd = nullptr;
+  int access = 0;
+
+  result<ibv_mr*> register_range(std::uintptr_t addr, std::size_t len) noexcept {
+    errno = 0;
+    ibv_mr* mr = ibv_reg_mr(pd, reinterpret_cast<void*>(addr), len, access);
+    if (mr == nullptr) return errno_code(errno != 0 ? errno : EINVAL);
+    return mr;
+  }
+  void deregister(ibv_mr*& mr) noexcept {
+    if (mr != nullptr && ibv_dereg_mr(mr) != 0) std::perror("gdr verbs: ibv_dereg_mr");
+    mr = nullptr;
+  }
+};
+
+/// A cache of host-memory registrations.
+using mr_cache = registration_cache<mr_backend>;
+
+/// Access flags of memory a peer writes into (rendezvous receives).
+inline constexpr int remote_write_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+/// Access flags of memory the NIC only reads (RDMA WRITE sources). No
+/// LOCAL_WRITE: a send may come from read-only pages.
+inline constexpr int local_read_access = 0;
+
+/// One owned registration of memory the transport allocated itself.
+class owned_mr {
+ public:
+  owned_mr() noexcept = default;
+  owned_mr(owned_mr&& o) noexcept : mr_(std::exchange(o.mr_, nullptr)) {}
+  owned_mr& operator=(owned_mr&& o) noexcept {
+    if (this != &o) {
+      reset();
+      mr_ = std::exchange(o.mr_, nullptr);
+    }
+    return *this;
+  }
+  ~owned_mr() { reset(); }
+
+  static result<owned_mr> make(ibv_pd* pd, void* addr, std::size_t len, int access) noexcept {
+    errno = 0;
+    ibv_mr* mr = ibv_reg_mr(pd, addr, len, access);
+    if (mr == nullptr) return errno_code(errno != 0 ? errno : EINVAL);
+    owned_mr m;
+    m.mr_ = mr;
+    return m;
+  }
+
+  ibv_mr* get() const noexcept { return mr_; }
+  std::uint32_t lkey() const noexcept { return mr_->lkey; }
+  std::uint32_t rkey() const noexcept { return mr_->rkey; }
+
+  void reset() noexcept {
+    if (mr_ != nullptr && ibv_dereg_mr(mr_) != 0) std::perror("gdr verbs: ibv_dereg_mr");
+    mr_ = nullptr;
+  }
+
+ private:
+  ibv_mr* mr_ = nullptr;
+};
+
+}  // namespace gdr::verbs

@@ -1,0 +1,255 @@
+// The verbs transport's own behaviour, beyond the conformance suite: inline
+// and bounce-buffer SENDs, rendezvous by RDMA WRITE with immediate data,
+// registration and keys, revocation while a peer accesses, a peer killed
+// with SIGKILL (peer_kill_test.cpp), a queue pair forced into the error state, and the GPUDirect
+// probe's refusal. Real verbs: they need an RDMA device and its IP address
+// (GDR_VERBS_IP; the Soft-RoCE guest of .ci/verbs-vm.sh sets it) and skip
+// with the reason otherwise.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <gdr/coro/sync_wait.hpp>
+#include <gdr/coro/task.hpp>
+#include <gdr/coro/when_all.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/sched/timer.hpp>
+#include <gdr/transport/verbs.hpp>
+
+#include "tests/support/skip.hpp"
+#include "tests/support/watchdog.hpp"
+#include "tests/verbs/verbs_fixture.hpp"
+
+using namespace std::chrono_literals;
+
+namespace {
+
+std::vector<std::byte> pattern(std::size_t n, std::uint32_t seed) {
+  std::vector<std::byte> v(n);
+  std::uint32_t x = 2654435761u * (seed + 1);
+  for (auto& b : v) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    b = static_cast<std::byte>(x);
+  }
+  return v;
+}
+
+gdr::view<std::byte, gdr::Host> bytes_of(std::vector<std::byte>& v) { return {v.data(), v.size()}; }
+gdr::view<const std::byte, gdr::Host> cbytes_of(const std::vector<std::byte>& v) { return {v.data(), v.size()}; }
+
+template <class Op>
+gdr::task<gdr::op_report> report_of(Op op) {
+  co_return co_await std::move(op).report();
+}
+
+/// Runs `body(a, b)` over a fresh verbs pair on a fresh scheduler.
+template <class Body>
+void with_pair(Body body, gdr::verbs::endpoint_options oa = {}, gdr::verbs::endpoint_options ob = {},
+               gdr::run_mode mode = gdr::run_mode::sleep) {
+  gdr_test_support::watchdog dog(60);
+  gdr::scheduler sched({.mode = mode});
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    auto p = co_await conformance::verbs_pair(sched, gdr::default_registry(), oa, ob);
+    co_await body(p.first, p.second);
+  }());
+  sched.drain();
+}
+
+}  // namespace
+
+#define REQUIRE_VERBS()                                                   \
+  do {                                                                    \
+    std::string why_ = conformance::verbs_skip_reason();                  \
+    if (!why_.empty()) GDR_SKIP(why_);                                    \
+  } while (0)
+
+TEST_CASE("small messages go inline, larger ones through the send slots, larger still in fragments") {
+  REQUIRE_VERBS();
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    CHECK(a.max_inline() > 0);
+    std::size_t inl = a.max_inline() > 72 ? a.max_inline() - 72 : 0;
+    const std::vector<std::size_t> sizes{0, 1, inl, inl + 1, 1000, 32 * 1024 - 72, 32 * 1024, 200 * 1024};
+    for (std::size_t n : sizes) {
+      CAPTURE(n);
+      auto out = pattern(n, static_cast<std::uint32_t>(n));
+      std::vector<std::byte> in(n + 8);
+      auto [s, r] = co_await gdr::when_all(report_of(a.send(cbytes_of(out))), report_of(b.recv(bytes_of(in))));
+      CHECK(!s.error);
+      CHECK(r.bytes == n);
+      CHECK(std::equal(out.begin(), out.end(), in.begin()));
+      CHECK(r.path == gdr::transfer_path::host_eager);
+    }
+    const auto& st = a.stats();
+    CHECK(st.inline_sends >= 3);           // 0, 1 and inl bytes
+    CHECK(st.send_wrs > st.inline_sends);  // the others were copied
+    CHECK(b.stats().fragments > 0);        // 32 KiB and 200 KiB did not fit one buffer
+    CHECK(st.write_wrs == 0);              // all eager: no RDMA WRITE
+    co_await a.close();
+  });
+}
+
+TEST_CASE("a rendezvous payload is written by RDMA straight into the receive, announced by immediate data") {
+  REQUIRE_VERBS();
+  gdr::verbs::endpoint_options o;
+  o.protocol.rendezvous_threshold = 4096;
+  with_pair(
+      [](auto& a, auto& b) -> gdr::task<> {
+        for (std::size_t n : {std::size_t{4097}, std::size_t{1} << 20, (std::size_t{20} << 20) + 3}) {
+          CAPTURE(n);
+          auto out = pattern(n, 7);
+          std::vector<std::byte> in(n);
+          auto [s, r] = co_await gdr::when_all(report_of(a.send(cbytes_of(out))), report_of(b.recv(bytes_of(in))));
+          CHECK(!s.error);
+          CHECK(!r.error);
+          CHECK(in == out);
+          CHECK(s.path == gdr::transfer_path::host_zero_copy);
+          CHECK(r.path == gdr::transfer_path::host_zero_copy);
+          CHECK(r.protocol == gdr::wire_protocol::rendezvous);
+        }
+        CHECK(b.stats().rdma_received == 3);
+        CHECK(a.stats().write_wrs >= 4);  // 20 MiB took more than one WRITE
+        co_await a.close();
+      },
+      o, o);
+}
+
+TEST_CASE("put and get need the registration's key and stay inside it; a refusal writes nothing") {
+  REQUIRE_VERBS();
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    std::vector<std::byte> target(4096, std::byte{0});
+    auto reg = gdr::register_memory(gdr::host_view(target));
+    auto rv = reg.describe(0);
+    auto src = pattern(4096, 1);
+    CHECK(co_await a.put(cbytes_of(src), rv) == 4096);
+    CHECK(target == src);
+    std::fill(target.begin(), target.end(), std::byte{0});
+    // A wrong key.
+    gdr::remote_view<std::byte, gdr::Host> bad(rv.address(), rv.size(), rv.key() + 1, 0);
+    gdr::op_report r = co_await report_of(a.put(cbytes_of(src), bad));
+    CHECK(r.error == gdr::errc::remote_access);
+    // Outside the registration: one byte past its end.
+    gdr::remote_view<std::byte, gdr::Host> past(rv.address() + 1, rv.size(), rv.key(), 0);
+    r = co_await report_of(a.put(cbytes_of(src), past));
+    CHECK(r.error == gdr::errc::remote_access);
+    std::vector<std::byte> back(4096);
+    r = co_await report_of(a.get(bytes_of(back), past));
+    CHECK(r.error == gdr::errc::remote_access);
+    CHECK(std::all_of(target.begin(), target.end(), [](std::byte x) { return x == std::byte{0}; }));
+    CHECK(b.stats().refused == 3);
+    CHECK(a.is_open());
+    co_await a.close();
+  });
+}
+
+TEST_CASE("revoking a registration waits for the peer's access in flight, then refuses") {
+  REQUIRE_VERBS();
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    (void)b;
+    std::vector<std::byte> target(8u << 20);
+    auto reg = gdr::register_memory(gdr::host_view(target));
+    auto rv = reg.describe(0);
+    auto src = pattern(target.size(), 3);
+    bool revoked = false;
+    auto [r, x] = co_await gdr::when_all(report_of(a.put(cbytes_of(src), rv)), [&]() -> gdr::task<int> {
+      co_await gdr::sleep_for(1ms);
+      co_await reg.revoke();  // waits while the put is served
+      revoked = true;
+      co_return 0;
+    }());
+    CHECK(revoked);
+    if (!r.error) CHECK(target == src);  // served whole before the revocation, or refused whole
+    if (r.error) CHECK(r.error == gdr::errc::remote_access);
+    gdr::op_report late = co_await report_of(a.put(cbytes_of(src), rv));
+    CHECK(late.error == gdr::errc::remote_access);
+    co_await a.close();
+  });
+}
+
+TEST_CASE("a queue pair forced into the error state fails every pending operation on both sides") {
+  REQUIRE_VERBS();
+  gdr::verbs::endpoint_options o;
+  o.keepalive = 100ms;
+  o.ack_timeout = 12;  // 17 ms per try
+  o.retry_count = 3;
+  with_pair(
+      [](auto& a, auto& b) -> gdr::task<> {
+        std::vector<std::byte> in1(64), in2(64);
+        auto ra = report_of(a.recv(bytes_of(in1)));
+        auto rb = report_of(b.recv(bytes_of(in2)));
+        auto t0 = std::chrono::steady_clock::now();
+        auto [x, y, z] = co_await gdr::when_all(std::move(ra), std::move(rb), [&]() -> gdr::task<int> {
+          co_await gdr::sleep_for(5ms);
+          ibv_qp_attr attr{};
+          attr.qp_state = IBV_QPS_ERR;
+          CHECK(ibv_modify_qp(a.native_qp(), &attr, IBV_QP_STATE) == 0);
+          co_return 0;
+        }());
+        CHECK(x.error == gdr::errc::connection_lost);
+        CHECK(y.error == gdr::errc::connection_lost);  // the peer learns by its keepalive's retries
+        CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+        CHECK(!a.is_open());
+        CHECK(!b.is_open());
+      },
+      o, o);
+}
+
+TEST_CASE("a zero-copy Device endpoint without GPUDirect is refused at set-up, saying which check failed") {
+  REQUIRE_VERBS();
+  const gdr::verbs::gpudirect_report* rep = nullptr;
+  gdr::verbs::endpoint_options dev;
+  dev.gpudirect = true;
+  gdr_test_support::watchdog dog(60);
+  gdr::scheduler sched;
+  std::string what;
+  std::error_code code;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    std::string ip = conformance::verbs_ip();
+    gdr::verbs::listener l(sched, ip + ":0");
+    try {
+      auto ep = co_await gdr::verbs::connect(sched, ip + ":" + std::to_string(l.port()), ip + ":0",
+                                             gdr::default_registry(), dev);
+    } catch (const gdr::error& e) {
+      code = e.code();
+      what = e.what();
+    }
+  }());
+  sched.drain();
+  // Ask the probe directly for the same pair, for the expected reason.
+  int n = 0;
+  ibv_device** list = ibv_get_device_list(&n);
+  REQUIRE(n > 0);
+  ibv_context* ctx = ibv_open_device(list[0]);
+  rep = &gdr::verbs::probe_gpudirect(0, ctx);
+  MESSAGE("probe: " << rep->reason);
+  if (rep->available) {
+    CHECK(!code);
+  } else {
+    CHECK(code == gdr::errc::gpudirect_unavailable);
+    CHECK(what.find(rep->failed_check) != std::string::npos);
+    CHECK(!rep->failed_check.empty());
+  }
+  ibv_close_device(ctx);
+  ibv_free_device_list(list);
+}
+
+TEST_CASE("pcie_relation tells a shared switch from a path through the CPU") {
+  using gdr::verbs::detail::pcie_relation;
+  CHECK(pcie_relation("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:03:00.0",
+                      "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:04:00.0") == "switch");
+  CHECK(pcie_relation("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0",
+                      "/sys/devices/pci0000:00/0000:00:03.0/0000:05:00.0") == "host-bridge");
+  CHECK(pcie_relation("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0",
+                      "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0") == "system");
+  CHECK(pcie_relation("", "/sys/devices/pci0000:00") == "unknown");
+}
