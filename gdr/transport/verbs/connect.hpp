@@ -191,16 +191,18 @@ inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_vie
     throw gdr::error(ec, std::string("gdr::verbs::connect: ") + step);
   }
   std::string who = dst->to_string();
-  if (std::error_code pe = endpoint::decide(opts, id->verbs, who.c_str())) {
+  result<std::uint8_t> refused = endpoint::decide(opts, id->verbs, who.c_str());
+  if (!refused) {
     std::string why = endpoint::decide_reason(opts, id->verbs);  // while id (and its device) lives
     cleanup();
-    throw gdr::error(pe, why);
+    throw gdr::error(refused.error(), why);
   }
   result<gdr::detail::verbs::connection*> c = detail::make_connection(s, id, ch, registry, opts);
   if (!c) {
     cleanup();
     throw gdr::error(c.error(), "gdr::verbs::connect: queue pair");
   }
+  (*c)->set_refused(*refused);
   // From here the connection owns id and ch.
   gdr::detail::verbs::conn_params mine = (*c)->params();
   rdma_conn_param p = detail::conn_param(mine, opts);
@@ -271,10 +273,16 @@ class listener {
       }
       std::error_code ec = detail::apply_id_options(id, opts_);
       std::string who = "accepted";
-      if (!ec) ec = endpoint::decide(opts_, id->verbs, who.c_str());
+      std::uint8_t refused = 0;
+      if (!ec) {
+        result<std::uint8_t> d = endpoint::decide(opts_, id->verbs, who.c_str());
+        if (d) refused = *d;
+        else ec = d.error();
+      }
       if (ec) {
-        std::string why = ec == errc::gpudirect_unavailable ? endpoint::decide_reason(opts_, id->verbs)
-                                                             : std::string("gdr::verbs::listener::accept");
+        std::string why = ec == errc::gpudirect_unavailable || ec == errc::unsupported
+                              ? endpoint::decide_reason(opts_, id->verbs)
+                              : std::string("gdr::verbs::listener::accept");
         rdma_reject(id, nullptr, 0);
         rdma_destroy_id(id);
         rdma_destroy_event_channel(ch);
@@ -287,6 +295,7 @@ class listener {
         rdma_destroy_event_channel(ch);
         throw gdr::error(c.error(), "gdr::verbs::listener::accept: queue pair");
       }
+      (*c)->set_refused(refused);
       gdr::detail::verbs::conn_params mine = (*c)->params();
       rdma_conn_param p = detail::conn_param(mine, opts_);
       if (rdma_accept(id, &p) != 0) {

@@ -175,7 +175,7 @@ struct wire_header {
   std::uint8_t kind = 0;
   std::uint8_t type = 0;
   std::uint8_t status = 0;
-  std::uint8_t pad0 = 0;
+  std::uint8_t flags = 0;     ///< the protocol header's flags (`proto::flag::last` on data)
   std::uint32_t credits = 0;  ///< receive buffers the sender has consumed and posted again (mod 2^32)
   std::uint64_t length = 0;
   std::uint64_t size = 0;
@@ -192,12 +192,13 @@ inline constexpr std::size_t wire_size = sizeof(wire_header);
 
 /// The protocol header a frame header carries, or why not.
 inline bool decode(const wire_header& w, std::uint64_t max, proto::header& h) noexcept {
-  if (w.kind != wire_header::frame || w.pad0 != 0 || w.pad1 != 0) return false;
+  if (w.kind != wire_header::frame || w.pad1 != 0) return false;
   if (w.type < proto::msg_min || w.type > proto::msg_max) return false;
   if (w.status > static_cast<std::uint8_t>(proto::status::remote_access)) return false;
   h = proto::header{};
   h.type = static_cast<proto::msg>(w.type);
   h.st = static_cast<proto::status>(w.status);
+  h.flags = w.flags;
   h.length = w.length;
   h.size = w.size;
   h.tag = w.tag;
@@ -713,6 +714,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (w == rx_writes_.end()) return protocol_fail();
     proto::header h;
     h.type = proto::msg::data;
+    h.flags = proto::flag::last;  // the whole of what the rtr accepted, at offset 0
     h.length = w->len;
     h.addr = w->token;
     proto::rx_plan plan = on_header(h);
@@ -758,7 +760,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// An rtr about to go out: register the receive's view and send its key.
   void attach_receive(frame& f) noexcept {
     f.encoded[0] = std::byte{0};
-    if (f.owner == nullptr || f.hdr.size == 0) return;
+    // A receive into staged (Device) memory asks for segments no larger than
+    // its bounce buffers (`key`): those come as SENDs into the bounce
+    // buffers, never by RDMA into the device pointer.
+    if (f.owner == nullptr || f.hdr.size == 0 || f.hdr.key != 0) return;
     std::byte* dst = f.owner->buffer_data();
     auto len = static_cast<std::size_t>(f.hdr.size);
     auto l = recv_cache().acquire(dst, len);
@@ -829,7 +834,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (r != remotes_.end()) {
         int res = post_rdma(f, *r);
         if (res > 0) {
-          remotes_.erase(r);
+          if (f.hdr.flags & proto::flag::last) remotes_.erase(r);  // segments before the last keep it
           return true;
         }
         if (res == 0) return false;  // waits for resources
@@ -869,13 +874,16 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       wr = {};
       wr.sg_list = &sges[i];
       wr.num_sge = 1;
-      wr.wr.rdma.remote_addr = r.raddr + off;
+      // A segment (a staged sender's chunk) lands at its offset; only the
+      // message's last one carries the immediate that tells the receiver.
+      wr.wr.rdma.remote_addr = r.raddr + f.hdr.size + off;
       wr.wr.rdma.rkey = r.rkey;
       bool last = i + 1 == nwr;
-      wr.opcode = last ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+      bool tell = last && (f.hdr.flags & proto::flag::last) != 0;
+      wr.opcode = tell ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
       wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
       wr.wr_id = last ? t->wr_id() : gdr::verbs::unsignaled_work()->wr_id();
-      if (last) wr.imm_data = static_cast<std::uint32_t>(f.hdr.addr);
+      if (tell) wr.imm_data = static_cast<std::uint32_t>(f.hdr.addr);
       wr.next = last ? nullptr : &wrs[i + 1];
     }
     t->f = &f;
@@ -930,6 +938,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (first) {
         w.type = static_cast<std::uint8_t>(f.hdr.type);
         w.status = static_cast<std::uint8_t>(f.hdr.st);
+        w.flags = static_cast<std::uint8_t>(f.hdr.flags);
         w.length = f.hdr.length;
         w.size = f.hdr.size;
         w.tag = f.hdr.tag;

@@ -25,8 +25,11 @@
 /// Memory spaces: `Host` and `Pinned` move zero-copy. `Device` rows are
 /// `probed`: an endpoint made with `endpoint_options::gpudirect` runs the
 /// probe of its GPU and NIC (`gdr/transport/verbs/gpudirect.hpp`) and is not
-/// made if it fails (`errc::gpudirect_unavailable`, naming the check). An
-/// endpoint made without it serves host memory only.
+/// made if it fails (`errc::gpudirect_unavailable`, naming the check); it is
+/// not made either when the probe says yes, because the zero-copy data path
+/// for device memory is not built yet (`errc::unsupported`, saying so). An
+/// endpoint made without it stages `Device` memory through the protocol
+/// layer's pipeline (`staged-pinned`), and `GDR_LOG=path` says so.
 ///
 /// Liveness: see `gdr/transport/verbs/connection.hpp` ("Failure").
 #pragma once
@@ -51,7 +54,8 @@ namespace gdr {
 // buffers; small messages through the bounce buffers); Device memory, on
 // either side, is probed: zero-copy through GPUDirect RDMA if the probe of
 // the endpoint's GPU and NIC says so, else the endpoint is not made.
-// Staged Device rows come with the protocol layer's staged path.
+// An endpoint made without GPUDirect stages Device memory through the
+// protocol layer's pipeline instead: the explicit choice (endpoint.decide).
 template <>
 inline constexpr const char* transport_name_v<verbs::transport> = "verbs";
 
@@ -90,38 +94,56 @@ class endpoint : public basic_endpoint<transport> {
   ibv_qp* native_qp() const noexcept { return conn() != nullptr ? conn()->qp() : nullptr; }
 
   /// Decides the path of every row the endpoint serves (`GDR_LOG=path`
-  /// prints them): host rows always; `Device` rows only when `o.gpudirect`,
-  /// by the probe of GPU `o.gpu` and `nic`. Returns `errc::unsupported`
-  /// (a forced path no row offers) or `errc::gpudirect_unavailable`.
-  static std::error_code decide(const endpoint_options& o, ibv_context* nic, const char* who) {
+  /// prints them) and returns the rows a forced path refuses
+  /// (`engine::refuse_host`, `engine::refuse_device`):
+  ///   * host rows: zero-copy;
+  ///   * `Device` rows, with `o.gpudirect`: the probe of GPU `o.gpu` and
+  ///     `nic` decides, and a no fails the set-up (`errc::gpudirect_unavailable`,
+  ///     never a fallback to staging). The GPUDirect data path itself
+  ///     (registering device memory with the NIC) is not built yet, so a yes
+  ///     fails it too (`errc::unsupported`, saying so);
+  ///   * `Device` rows without `o.gpudirect`: staged through the protocol
+  ///     layer's pipeline (pinned bounce buffers), the explicit choice.
+  static result<std::uint8_t> decide(const endpoint_options& o, ibv_context* nic, const char* who) {
     using namespace gdr::detail::proto;
-    std::error_code first;
+    path_plan plan;
+    std::error_code probe_error;
     auto host_rows = [&]<class S>() {
-      decide_row<transport, gdr::op::send, S, AnySpace>(o.protocol.force, who, first);
-      decide_row<transport, gdr::op::recv, S, AnySpace>(o.protocol.force, who, first);
-      decide_row<transport, gdr::op::put, S, S>(o.protocol.force, who, first);
-      decide_row<transport, gdr::op::get, S, S>(o.protocol.force, who, first);
+      decide_row<transport, gdr::op::send, S, AnySpace>(o.protocol.force, who, plan, probe_error);
+      decide_row<transport, gdr::op::recv, S, AnySpace>(o.protocol.force, who, plan, probe_error);
+      decide_row<transport, gdr::op::put, S, S>(o.protocol.force, who, plan, probe_error);
+      decide_row<transport, gdr::op::get, S, S>(o.protocol.force, who, plan, probe_error);
     };
     host_rows.template operator()<Host>();
     host_rows.template operator()<Pinned>();
-    if (first || !o.gpudirect) return first;
-    auto probe = [&]() -> std::error_code {
-      return probe_gpudirect(o.gpu, nic).available ? std::error_code{} : std::error_code(errc::gpudirect_unavailable);
-    };
-    auto device_row = [&]<class Op, class R>() {
-      result<path_decision> d = decide_path<transport, Op, Device, R>(o.protocol.force, probe);
-      if (!d) {
-        if (!first) first = d.error();
-        return;
-      }
-      d->endpoint = who;
-      log_path_decision(*d);
-    };
-    device_row.template operator()<gdr::op::send, AnySpace>();
-    device_row.template operator()<gdr::op::recv, AnySpace>();
-    device_row.template operator()<gdr::op::put, Device>();
-    device_row.template operator()<gdr::op::get, Device>();
-    return first;
+    if (o.gpudirect) {
+      if (!probe_gpudirect(o.gpu, nic).available) return errc::gpudirect_unavailable;
+      return errc::unsupported;  // decide_reason says why
+    }
+    if (o.protocol.force == force_path::zero_copy) {
+      plan.refused |= engine::refuse_device;
+    } else {
+      auto staged_row = [&]<class Op, class R>() {
+        path_decision d;
+        d.transport = transport_name_v<transport>;
+        d.operation = Op::kind;
+        d.local_space = space_name<Device>();
+        d.remote_space = space_name<R>();
+        d.row = path_kind::probed;
+        d.decided = path_kind::staged;
+        d.path = transfer_path::staged_pinned;
+        d.force = o.protocol.force;
+        d.endpoint = who;
+        log_path_decision(d);
+        ++plan.usable;
+      };
+      staged_row.template operator()<gdr::op::send, AnySpace>();
+      staged_row.template operator()<gdr::op::recv, AnySpace>();
+      staged_row.template operator()<gdr::op::put, Device>();
+      staged_row.template operator()<gdr::op::get, Device>();
+    }
+    if (plan.usable == 0) return errc::unsupported;
+    return plan.refused;
   }
 
   /// The sentence that goes with `decide`'s error.
@@ -129,6 +151,9 @@ class endpoint : public basic_endpoint<transport> {
     if (o.gpudirect) {
       const gpudirect_report& r = probe_gpudirect(o.gpu, nic);
       if (!r.available) return "gdr::verbs: a zero-copy Device endpoint needs GPUDirect RDMA: " + r.reason;
+      return "gdr::verbs: GPUDirect RDMA is there, but gdr's zero-copy Device data path over verbs (device memory "
+             "registered with the NIC) is not built yet: make the endpoint without endpoint_options::gpudirect to "
+             "stage Device memory through pinned buffers";
     }
     return "gdr::verbs: the forced path is not one this transport offers";
   }
