@@ -23,8 +23,8 @@ using tcp_test::connected_pair;
 static_assert(gdr::select_path_v<tcp::transport, gdr::op::send, gdr::Host> == gdr::path_kind::zero_copy);
 static_assert(gdr::select_path_v<tcp::transport, gdr::op::recv, gdr::Pinned> == gdr::path_kind::zero_copy);
 static_assert(gdr::select_path_v<tcp::transport, gdr::op::get, gdr::Pinned, gdr::Host> == gdr::path_kind::zero_copy);
-static_assert(gdr::select_path_v<tcp::transport, gdr::op::send, gdr::Device> == gdr::path_kind::unsupported);
-static_assert(gdr::select_path_v<tcp::transport, gdr::op::put, gdr::Host, gdr::Device> == gdr::path_kind::unsupported);
+static_assert(gdr::select_path_v<tcp::transport, gdr::op::send, gdr::Device> == gdr::path_kind::staged);
+static_assert(gdr::select_path_v<tcp::transport, gdr::op::put, gdr::Host, gdr::Device> == gdr::path_kind::staged);
 
 namespace {
 
