@@ -17,8 +17,12 @@
 //          Two processes on one GPU: their CUDA contexts time-slice it.
 //   lat1   the same between two TCP endpoints of one process (one context):
 //          lat1_device, lat1_pinned, alternating twice.
+//   kill   the receiving process is SIGKILLed in the middle of a 1 GiB
+//          staged send while two receives wait: every pending operation must
+//          fail within 2 s and no bounce buffer stay out (five rounds; exit
+//          status 1 otherwise).
 //
-//   gdr_staged [--mode tcp2|loop1|lat|lat1] [--space device|pinned] [--sizes 1M,64M]
+//   gdr_staged [--mode tcp2|loop1|lat|lat1|kill] [--space device|pinned] [--sizes 1M,64M]
 //              [--sweep] [--chunks 256K,1M] [--depths 2,4] [--iters N]
 //              [--both] [--verify] [--csv FILE]
 //
@@ -104,7 +108,7 @@ options parse(int argc, char** argv) {
     else if (a == "--verify") o.verify = true;
     else if (a == "--csv") o.csv = next();
     else {
-      std::fprintf(stderr, "usage: gdr_staged [--mode tcp2|loop1|lat|lat1] [--space device|pinned] [--sizes 1M,64M] "
+      std::fprintf(stderr, "usage: gdr_staged [--mode tcp2|loop1|lat|lat1|kill] [--space device|pinned] [--sizes 1M,64M] "
                            "[--sweep] [--chunks 256K,1M] [--depths 2,4] [--iters N] [--both] [--verify] [--csv F]\n");
       std::exit(a == "--help" ? 0 : 2);
     }
@@ -417,6 +421,77 @@ int run_loop1(const options& o) {
   return 0;
 }
 
+// ------------------------------------------------------------------ kill
+
+// The peer is SIGKILLed in the middle of staged transfers: every pending
+// operation (a 1 GiB Device send under way, a Device receive and a Pinned
+// receive nobody answers) must complete with an error within 2 s, and no
+// bounce buffer may stay checked out. Five rounds; exit 1 on a failure.
+int run_kill() {
+  int failures = 0;
+  for (int round = 0; round < 5; ++round) {
+    int p[2];
+    if (::pipe(p) != 0) return 3;
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::close(p[0]);
+      gdr::scheduler s({.mode = gdr::run_mode::busy_poll});
+      gdr::cuda::event_poller ev(s);
+      gdr::sync_wait(s, [&]() -> gdr::task<> {
+        gdr::tcp::listener l(s, gdr::tcp::address::loopback(0));
+        std::uint16_t port = l.local_address().port();
+        if (::write(p[1], &port, sizeof port) != sizeof port) std::_Exit(3);
+        gdr::tcp::endpoint ep = co_await l.accept();
+        memory m(true, std::size_t{1} << 30);
+        for (;;) co_await recv_n(ep, m, std::size_t{1} << 30);  // until killed
+      }());
+      std::_Exit(0);
+    }
+    ::close(p[1]);
+    std::uint16_t port = 0;
+    if (::read(p[0], &port, sizeof port) != sizeof port) return 3;
+    ::close(p[0]);
+    gdr::scheduler s({.mode = gdr::run_mode::busy_poll});
+    gdr::cuda::event_poller ev(s);
+    gdr::sync_wait(s, [&]() -> gdr::task<> {
+      gdr::tcp::endpoint ep = co_await gdr::tcp::connect(s, gdr::tcp::address::loopback(port));
+      memory big(true, std::size_t{1} << 30), din(true, 1 << 20), pin(false, 64);
+      auto report = [](auto op) -> gdr::task<gdr::op_report> { co_return co_await std::move(op).report(); };
+      clk::time_point killed{};
+      auto [rs, rd, rp, x] = co_await gdr::when_all(
+          report(ep.send(big.d.view())), report(ep.recv(din.d.view(), gdr::tag{7})),
+          report(ep.recv(pin.p.view(), gdr::tag{8})), [&]() -> gdr::task<int> {
+            co_await gdr::sleep_for(s, std::chrono::milliseconds(20 + 10 * round));
+            killed = clk::now();
+            ::kill(pid, SIGKILL);
+            co_return 0;
+          }());
+      (void)x;
+      double ms = std::chrono::duration<double, std::milli>(clk::now() - killed).count();
+      bool lost = rd.error == gdr::errc::connection_lost && rp.error == gdr::errc::connection_lost &&
+                  (!rs.error || rs.error == gdr::errc::connection_lost);
+      auto t0 = clk::now();
+      while (ep.bounce_buffers_in_use() != std::pair<std::size_t, std::size_t>{0, 0} &&
+             clk::now() - t0 < std::chrono::seconds(2))
+        co_await gdr::sleep_for(s, std::chrono::milliseconds(1));
+      auto out = ep.bounce_buffers_in_use();
+      bool ok = lost && ms < 2000 && out == std::pair<std::size_t, std::size_t>{0, 0};
+      std::printf("kill round %d: send %s (%zu bytes staged), recv Device %s, recv Pinned %s; all done %.1f ms after "
+                  "SIGKILL; bounce buffers out %zu/%zu: %s\n",
+                  round, rs.error ? rs.error.message().c_str() : "completed", rs.bytes, rd.error.message().c_str(),
+                  rp.error.message().c_str(), ms, out.first, out.second, ok ? "OK" : "FAILED");
+      if (!ok) ++failures;
+      co_await ep.close();
+    }());
+    s.drain();
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+  }
+  std::fflush(stdout);
+  return failures == 0 ? 0 : 1;
+}
+
 // ------------------------------------------------------------------ lat1
 
 // 8-byte ping-pong between two TCP endpoints of one process on one
@@ -469,6 +544,17 @@ int main(int argc, char** argv) {
     ::waitpid(pid, &st, 0);
     if (WIFEXITED(st) && WEXITSTATUS(st) == 10) return 0;
     rc = run_tcp2(o);
+  } else if (o.mode == "kill") {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      std::string why = gdr::cuda::device_unavailable_reason(0);
+      if (!why.empty()) std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
+      std::_Exit(why.empty() ? 0 : 10);
+    }
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 10) return 0;
+    rc = run_kill();
   } else if (o.mode == "lat1") {
     std::string why = gdr::cuda::device_unavailable_reason(0);
     if (!why.empty()) {
