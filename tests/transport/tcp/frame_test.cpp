@@ -221,15 +221,22 @@ TEST_CASE("each malformed header is refused with its reason") {
   CHECK(status_of(patched(5, 0)) == frame_status::bad_type);
   CHECK(status_of(patched(5, proto::msg_max + 1)) == frame_status::bad_type);
   CHECK(status_of(patched(5, 0xff)) == frame_status::bad_type);
-  CHECK(status_of(patched(6, 0x01)) == frame_status::bad_flags);
+  CHECK(status_of(patched(6, 0x01)) == frame_status::ok);  // `last`: the only flag, and only on data
+  CHECK(status_of(patched(6, 0x02)) == frame_status::bad_flags);
   CHECK(status_of(patched(7, 0x80)) == frame_status::bad_flags);
+  {
+    auto eager = encode(sample(frame_type::eager));
+    eager[6] = std::byte{0x01};
+    CHECK(status_of(eager) == frame_status::bad_flags);  // `last` means nothing on other types
+  }
   CHECK(status_of(patched(12, 2)) == frame_status::bad_field);  // unknown status
   CHECK(status_of(patched(12, 1)) == frame_status::bad_field);  // a status on a data frame
   for (std::size_t at : {13, 14, 15}) {
     CAPTURE(at);
     CHECK(status_of(patched(at, 1)) == frame_status::bad_field);  // reserved bytes after the status
   }
-  CHECK(status_of(patched(24, 1)) == frame_status::bad_field);  // a size on a data frame
+  CHECK(status_of(patched(24, 1)) == frame_status::ok);  // a data frame's size is its segment's offset
+  CHECK(status_of(patched(31, 0x80)) == frame_status::bad_field);  // an offset past any message
   CHECK(status_of(patched(32, 1)) == frame_status::bad_field);  // a tag on a data frame
   CHECK(status_of(patched(40, 1)) == frame_status::bad_field);  // an id on a data frame
   CHECK(status_of(patched(63, 1)) == frame_status::bad_field);  // a key on a data frame
@@ -261,12 +268,11 @@ TEST_CASE("each type's unused fields must be zero, as proto::valid says") {
     const char* field;
   };
   const rule rules[] = {
-      {frame_type::hello, 48, "addr"},        {frame_type::hello, 56, "key"},
+      {frame_type::hello, 56, "key"},
       {frame_type::eager, 24, "size"},        {frame_type::eager, 40, "id"},
       {frame_type::eager, 48, "addr"},        {frame_type::eager, 56, "key"},
       {frame_type::rts, 48, "addr"},          {frame_type::rts, 56, "key"},
-      {frame_type::rtr, 32, "tag"},           {frame_type::rtr, 56, "key"},
-      {frame_type::data, 24, "size"},         {frame_type::data, 32, "tag"},
+      {frame_type::rtr, 32, "tag"},           {frame_type::data, 32, "tag"},
       {frame_type::data, 40, "id"},           {frame_type::data, 56, "key"},
       {frame_type::rts_cancel, 24, "size"},   {frame_type::rts_cancel, 32, "tag"},
       {frame_type::rts_cancel, 48, "addr"},   {frame_type::rts_cancel, 56, "key"},

@@ -392,6 +392,7 @@ TEST_CASE("a hand-written peer's rendezvous is received, and data of another len
       CHECK(rtr.header.size == 100000);  // all of it fits
       frame_header d;
       d.type = frame_type::data;
+      d.flags = gdr::detail::proto::flag::last;  // the whole message in one segment
       d.addr = rtr.header.addr;  // the receive's token
       d.length = honest ? 100000 : 99999;
       std::vector<std::byte> payload(d.length, std::byte{0x3C});
