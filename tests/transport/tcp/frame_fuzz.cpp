@@ -11,7 +11,8 @@
 //   * accepted headers obey the rules the protocol engine relies on
 //     (gdr/protocol/message.hpp): no payload on types without one, refusals
 //     carry no data, lengths and sizes within the limit, a hello names a
-//     version and a limit and known capabilities only, unused fields zero;
+//     version and a limit and known capabilities only, unused fields zero,
+//     the `last` flag on data frames only;
 //   * a refused header is refused with the same status every time, and
 //     nothing of it is handed out.
 // The first input byte picks the length limit, so small limits are explored too.
@@ -34,17 +35,19 @@ namespace {
 // The rules of message.hpp's table, written out again independently of
 // proto::valid.
 bool obeys_rules(const tcp::frame_header& h, std::uint64_t limit) {
-  if (h.flags != 0 || h.length > limit) return false;
+  if (h.length > limit) return false;
+  // The one flag, `last`, belongs to data frames.
+  if (h.flags != 0 && !(h.type == tcp::frame_type::data && h.flags == proto::flag::last)) return false;
   bool answer = h.type == tcp::frame_type::put_ack || h.type == tcp::frame_type::get_reply;
   if (!answer && h.st != proto::status::ok) return false;
   if (!proto::has_payload(h.type) && h.length != 0) return false;
   switch (h.type) {
     case tcp::frame_type::hello:
-      return h.id >= 2 && h.size != 0 && (h.tag & ~proto::caps::known) == 0 && h.addr == 0 && h.key == 0;
+      return h.id >= 2 && h.size != 0 && (h.tag & ~proto::caps::known) == 0 && h.key == 0;  // addr: its chunk
     case tcp::frame_type::eager: return h.size == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
     case tcp::frame_type::rts: return h.size <= limit && h.addr == 0 && h.key == 0;
-    case tcp::frame_type::rtr: return h.tag == 0 && h.key == 0;
-    case tcp::frame_type::data: return h.size == 0 && h.tag == 0 && h.id == 0 && h.key == 0;
+    case tcp::frame_type::rtr: return h.tag == 0;  // key: the largest segment it takes
+    case tcp::frame_type::data: return h.size <= limit && h.tag == 0 && h.id == 0 && h.key == 0;  // size: offset
     case tcp::frame_type::rts_cancel:
     case tcp::frame_type::rts_withdrawn: return h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0;
     case tcp::frame_type::put_request: return h.size == 0 && h.tag == 0;
