@@ -427,9 +427,29 @@ int run_loop1(const options& o) {
 // operation (a 1 GiB Device send under way, a Device receive and a Pinned
 // receive nobody answers) must complete with an error within 2 s, and no
 // bounce buffer may stay checked out. Five rounds; exit 1 on a failure.
+int kill_round(int round);
+
 int run_kill() {
+  // Each round in a process of its own that forks the receiver before it
+  // touches CUDA: a process that initialised CUDA must not fork a child that
+  // uses it (a first version ran the rounds in one process, and from the
+  // second round on the receiver could not initialise CUDA).
   int failures = 0;
   for (int round = 0; round < 5; ++round) {
+    std::fflush(stdout);
+    pid_t pid = ::fork();
+    if (pid < 0) return 3;
+    if (pid == 0) std::_Exit(kill_round(round));
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) ++failures;
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+int kill_round(int round) {
+  int failures = 0;
+  {
     int p[2];
     if (::pipe(p) != 0) return 3;
     pid_t pid = ::fork();
@@ -487,6 +507,11 @@ int run_kill() {
     s.drain();
     int st = 0;
     ::waitpid(pid, &st, 0);
+    // The kill must have found the receiver alive and mid-transfer.
+    if (!WIFSIGNALED(st) || WTERMSIG(st) != SIGKILL) {
+      std::printf("kill round %d: FAILED: the receiver ended before the kill (status %d)\n", round, st);
+      ++failures;
+    }
   }
   std::fflush(stdout);
   return failures == 0 ? 0 : 1;
