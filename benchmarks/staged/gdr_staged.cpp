@@ -548,6 +548,23 @@ int run_lat1() {
   return 0;
 }
 
+// Whether there is a GPU, asked in a child that exits: the modes that fork
+// must not have initialised CUDA first (a child of a process that did cannot
+// use it). Without one, prints the skip line.
+bool gpu_probed_in_child() {
+  std::fflush(stdout);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    std::string why = gdr::cuda::device_unavailable_reason(0);
+    if (!why.empty()) std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
+    std::fflush(stdout);
+    std::_Exit(why.empty() ? 0 : 10);
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return !(WIFEXITED(st) && WEXITSTATUS(st) == 10);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -557,28 +574,10 @@ int main(int argc, char** argv) {
   int rc = 0;
   auto t0 = clk::now();
   if (o.mode == "tcp2" || o.mode == "lat") {
-    // The GPU is probed in a child: a process that initialised CUDA must not
-    // fork a child that uses it.
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      std::string why = gdr::cuda::device_unavailable_reason(0);
-      if (!why.empty()) std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
-      std::_Exit(why.empty() ? 0 : 10);
-    }
-    int st = 0;
-    ::waitpid(pid, &st, 0);
-    if (WIFEXITED(st) && WEXITSTATUS(st) == 10) return 0;
+    if (!gpu_probed_in_child()) return 0;
     rc = run_tcp2(o);
   } else if (o.mode == "kill") {
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      std::string why = gdr::cuda::device_unavailable_reason(0);
-      if (!why.empty()) std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
-      std::_Exit(why.empty() ? 0 : 10);
-    }
-    int st = 0;
-    ::waitpid(pid, &st, 0);
-    if (WIFEXITED(st) && WEXITSTATUS(st) == 10) return 0;
+    if (!gpu_probed_in_child()) return 0;
     rc = run_kill();
   } else if (o.mode == "lat1") {
     std::string why = gdr::cuda::device_unavailable_reason(0);

@@ -1498,16 +1498,8 @@ class engine {
       // follows the copy. A request larger than a bounce buffer (the peer
       // ignored our hello) is refused.
       if (len <= chunk_ && !ensure_pool(rx_, true)) {
-        stage_slot* b = take(rx_);
-        if (b == nullptr) {
-          l->release();
-          put_back_slot(s);
-          return pause_reading();
-        }
-        s->lease = std::move(*l);
-        b->rs = s;
-        b->req = h.id;
-        b->len = len;
+        stage_slot* b = bounce_for_request(rx_, s, *l, h.id, len);
+        if (b == nullptr) return pause_reading();
         target t{target::stage_rx};
         t.b = b;
         return place(t, b->mem, len, 0);
@@ -1535,16 +1527,8 @@ class engine {
     if (l && l->on_device() && len != 0) {
       // From device memory: copied into a bounce buffer, sent from there.
       if (len <= chunk_ && !ensure_pool(tx_, true)) {
-        stage_slot* b = take(tx_);
-        if (b == nullptr) {
-          l->release();
-          put_back_slot(s);
-          return pause_reading();
-        }
-        s->lease = std::move(*l);
-        b->rs = s;
-        b->req = h.id;
-        b->len = len;
+        stage_slot* b = bounce_for_request(tx_, s, *l, h.id, len);
+        if (b == nullptr) return pause_reading();
         if (!start_copy(*b, copy_engine::direction::to_host, s->lease.device(), b->mem, s->lease.data(), len,
                         nullptr)) {
           return consumed();  // answered when the copy is done
@@ -2248,6 +2232,24 @@ class engine {
     if (s != nullptr) free_slots_ = s->next_free;
     return s;
   }
+  /// A bounce buffer of `p` for serving request `id` (reply slot `s`, lease
+  /// `l` on device memory, `len` bytes). Null when none is free: the lease
+  /// and the reply slot are given back, nothing changed (the caller pauses).
+  stage_slot* bounce_for_request(stage_pool& p, reply_slot* s, access_lease& l, std::uint64_t id,
+                                 std::size_t len) noexcept {
+    stage_slot* b = take(p);
+    if (b == nullptr) {
+      l.release();
+      put_back_slot(s);
+      return nullptr;
+    }
+    s->lease = std::move(l);
+    b->rs = s;
+    b->req = id;
+    b->len = len;
+    return b;
+  }
+
   /// Returns a slot taken a moment ago, without resuming a paused reader
   /// (the header that took it is about to pause).
   void put_back_slot(reply_slot* s) noexcept {
