@@ -1016,6 +1016,10 @@ class engine {
     // Held sends wait for the peer's hello; the close frame itself needs
     // none (this side's own hello is already ahead of it).
     if (!held_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
+    // A staged eager send posts its frame once its copy is done: the close
+    // frame must not overtake it.
+    for (op* o = staging_.head; o != nullptr; o = o->next_)
+      if (o->kind_ == op::kind::send) return;
     close_posted_ = true;
     op& o = *close_op_;
     o.f1_.hdr = header{};

@@ -514,3 +514,27 @@ TEST_CASE_TEMPLATE("an eager message larger than the receiver's bounce buffers r
       },
       small(64 * 1024, 3, 256 * 1024));
 }
+
+TEST_CASE_TEMPLATE("a close right after a staged send waits for its copy, and the peer receives the message first", T,
+                   CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  STAGED_REQUIRE_KNOBS();
+  run_both<T>([&](auto& a, auto& b, staged::env* env) -> gdr::task<> {
+    auto p = pattern(3000, 4);
+    staged::dev_mem s(p.size()), d(p.size());
+    s.fill(p);
+    env->hold();  // the send's copy out waits
+    auto [sr, cr, x] = co_await gdr::when_all(report_of(a.send(s.view())), report_of(a.close()), [&]() -> gdr::task<int> {
+      co_await gdr::sleep_for(3ms);
+      env->release();
+      co_return 0;
+    }());
+    CHECK(!sr.error);
+    CHECK(!cr.error);
+    op_report r = co_await report_of(b.recv(d.view()));
+    CHECK(!r.error);
+    CHECK(d.read() == p);
+    op_report after = co_await report_of(b.recv(d.view()));
+    CHECK(after.error == errc::peer_closed);
+  });
+}
