@@ -68,6 +68,18 @@
 /// `errc::closed`; the peer fails its pending operations with
 /// `errc::peer_closed` after receiving everything sent before.
 ///
+/// Device memory (the staged path, below the rest of the engine). An
+/// operation whose local or remote memory is `Device` moves as segments of
+/// at most one chunk through pinned bounce buffers, on the side that owns
+/// the memory: copies out (device-to-host into a tx slot, whose frame then
+/// carries the segment) and in (the transport places a payload into an rx
+/// slot, then a host-to-device copy), through the scheduler's `copy_engine`
+/// (gdr/protocol/staging.hpp). Rendezvous data goes as several `data` frames
+/// (offset, `last` flag), puts and gets as several requests. A receiver with
+/// no free rx slot pauses reading. An operation finishes only when no copy
+/// touches its memory and it holds no slot; slots freed from inside
+/// `on_sent` let their waiters go on at the end of the event, never there.
+///
 /// Failure. When the transport fails (peer gone, protocol error) or the
 /// endpoint closes, every pending and later operation fails with that
 /// error, in order; messages already kept remain receivable.
