@@ -41,7 +41,8 @@ gdr::task<> timers() {
 }
 
 // 2-3. Host -> Pinned on the CPU; Pinned -> Device -> Pinned on the GPU's copy
-//      engine when there is one.
+//      engine when there is one, then the device buffer sent as a message
+//      (the staged path).
 gdr::task<> memory(std::vector<std::uint32_t>& data) {
   gdr::buffer<std::uint32_t, gdr::Pinned> pinned(data.size());
   co_await gdr::copy(pinned, gdr::host_view(data));
@@ -62,6 +63,20 @@ gdr::task<> memory(std::vector<std::uint32_t>& data) {
   double ms = ms_since(t0);
   std::printf("3. GPU: Pinned -> Device -> Pinned, 2 x %zu KiB on the copy engine in %.2f ms, checksum %s\n",
               back.size_bytes() / 1024, ms, checksum(back.span()) == checksum(data) ? "matches" : "DIFFERS");
+  {
+    // The same GPU memory as a message between two endpoints: staged
+    // through pinned bounce buffers, the copies completing through `events`.
+    auto pair = gdr::loopback::make_pair(gdr::this_scheduler());
+    gdr::buffer<std::uint32_t, gdr::Device> dev2(data.size(), 0);
+    auto send = [&]() -> gdr::task<std::size_t> { co_return co_await pair.first.send(dev); };
+    auto recv = [&]() -> gdr::task<std::size_t> { co_return co_await pair.second.recv(dev2); };
+    auto [sent, got] = co_await gdr::when_all(send(), recv());
+    (void)sent;
+    co_await gdr::copy(back, dev2, stream);
+    std::printf("   Device -> Device as one message over a loopback pair: %zu KiB, path %s, checksum %s\n",
+                got / 1024, gdr::to_string(pair.second.last_path()),
+                checksum(back.span()) == checksum(data) ? "matches" : "DIFFERS");
+  }
   // gdr::view<std::uint32_t, gdr::Device> v = dev; v[0];  // would not compile: host dereference of Device memory
 #else
   std::printf("3. GPU: this build has no CUDA (depend on //gdr:cuda)\n");
