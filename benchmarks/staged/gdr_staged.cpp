@@ -389,7 +389,9 @@ int run_loop1(const options& o) {
     for (std::size_t depth : o.depths) {
       auto po = proto(chunk, depth);
       po.force = gdr::force_path::staged;
-      auto [a, b] = gdr::loopback::make_pair(s, s, gdr::default_registry(), po);
+      auto pair = gdr::loopback::make_pair(s, s, gdr::default_registry(), po);
+      auto& a = pair.first;  // references, not structured bindings: clang 14
+      auto& b = pair.second; // cannot capture those in the lambda below
       memory src(true, maxn), dst(true, maxn);
       std::unique_ptr<memory> src2, dst2;
       if (o.both) {

@@ -107,8 +107,8 @@ TEST_CASE_TEMPLATE("Device messages of every size around the threshold and the c
       src.fill(p);
       dst.set(std::byte{0xee});
       auto [s, r] = co_await gdr::when_all(report_of(a.send(src.view(), tag{1})), report_of(b.recv(dst.view(), tag{1})));
-      CHECK_MESSAGE(!s.error, s.error.message());
-      CHECK_MESSAGE(!r.error, r.error.message());
+      CHECK(!s.error);
+      CHECK(!r.error);
       CHECK(r.bytes == n);
       CHECK(s.path == transfer_path::staged_pinned);
       CHECK(r.path == transfer_path::staged_pinned);
@@ -333,7 +333,8 @@ TEST_CASE_TEMPLATE("when the peer goes away in the middle of staged transfers ev
     auto [r, r2, s2, x, y] = co_await gdr::when_all(
         report_of(b.recv(dst.view())), report_of(b.recv(dst2.view(), tag{9})), report_of(b.send(src2.view(), tag{4})),
         [&]() -> gdr::task<int> {
-          co_await a.send(src.view()).as_result();  // under way when a goes
+          gdr::result<std::size_t> ignored = co_await a.send(src.view()).as_result();  // under way when a goes
+          (void)ignored;
           co_return 0;
         }(),
         [&]() -> gdr::task<int> {
