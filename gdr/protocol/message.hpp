@@ -104,6 +104,12 @@ namespace flag {
 inline constexpr std::uint16_t last = 1u << 0;  ///< `data`: the message's final segment
 }  // namespace flag
 
+/// The flags a header of type `m` may carry: `flag::last` on `data`, none
+/// elsewhere.
+constexpr bool flags_allowed(msg m, std::uint16_t flags) noexcept {
+  return flags == 0 || (m == msg::data && flags == flag::last);
+}
+
 /// One protocol message's header (see the file comment for the fields each
 /// type uses).
 struct header {
@@ -129,7 +135,7 @@ constexpr bool has_payload(msg m) noexcept {
 /// status, payload within `max_message` (this side's limit). True if valid.
 /// The transport checks its own framing (magic, version, order) first.
 constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
-  if (h.flags != 0 && !(h.type == msg::data && h.flags == flag::last)) return false;
+  if (!flags_allowed(h.type, h.flags)) return false;
   if (static_cast<std::uint8_t>(h.st) > static_cast<std::uint8_t>(status::remote_access)) return false;
   bool st_zero = h.st == status::ok;
   if (!has_payload(h.type) && h.length != 0) return false;

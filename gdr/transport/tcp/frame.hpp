@@ -168,8 +168,7 @@ constexpr frame_parse_result parse_frame(std::span<const std::byte> in,
   h.id = detail::get_le<std::uint64_t>(p + 40);
   h.addr = detail::get_le<std::uint64_t>(p + 48);
   h.key = detail::get_le<std::uint64_t>(p + 56);
-  if (h.flags != 0 && !(h.type == frame_type::data && h.flags == proto::flag::last))
-    return {frame_status::bad_flags, {}, 0};
+  if (!proto::flags_allowed(h.type, h.flags)) return {frame_status::bad_flags, {}, 0};
   if (status > static_cast<std::uint8_t>(proto::status::remote_access)) return {frame_status::bad_field, {}, 0};
   h.st = static_cast<proto::status>(status);
   if (h.length > max_message) return {frame_status::too_long, {}, 0};
