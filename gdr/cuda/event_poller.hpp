@@ -483,8 +483,7 @@ class event_poller final : public copy_engine {
   }
 
   // The poller's stream for copies in direction `d` on GPU `device`, created
-  // on first use. Non-blocking: work other code puts on the legacy default
-  // stream does not stall the staged path.
+  // on first use (a blocking stream: see below).
   std::error_code copy_stream(int device, direction d, cudaStream_t* out) noexcept {
     const std::size_t i = d == direction::to_host ? 0 : 1;
     const auto dev = static_cast<std::size_t>(device);

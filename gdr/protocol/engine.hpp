@@ -577,7 +577,7 @@ class engine {
   void note_detached() noexcept { --attached_; }
 
   /// Counts a finished operation. Loop thread.
-  void record(const op& o) noexcept {
+  void record(op& o) noexcept {
     if (o.ec_) {
       ++stats_->failed;
       if (o.ec_ == errc::truncated) ++stats_->truncated;
@@ -595,7 +595,7 @@ class engine {
       case op::kind::close: return;
     }
     // Device memory on either side took the staged path, whatever moved.
-    if (o.dev_ >= 0 || o.remote_dev_) const_cast<op&>(o).path_ = transfer_path::staged_pinned;
+    if (o.dev_ >= 0 || o.remote_dev_) o.path_ = transfer_path::staged_pinned;
     ++stats_->by_path[static_cast<std::size_t>(o.path_)];
     last_path_ = o.path_;
   }
@@ -742,7 +742,7 @@ class engine {
         send_answer(s, msg::put_ack, t.id, status::ok, nullptr, 0);
         return;
       }
-      case target::stage_rx: placed_in_bounce(*t.b, t.id); return;
+      case target::stage_rx: placed_in_bounce(*t.b); return;
       case target::via_host: {
         op& o = *t.o;
         o.placing_ = false;
@@ -1894,7 +1894,7 @@ class engine {
   }
 
   /// Bytes are in rx slot `b`: copy them to the device.
-  void placed_in_bounce(stage_slot& b, std::uint64_t) noexcept {
+  void placed_in_bounce(stage_slot& b) noexcept {
     if (reply_slot* s = b.rs) {
       if (start_copy(b, copy_engine::direction::to_device, s->lease.device(), s->lease.data(), b.mem, b.len,
                      nullptr)) {
