@@ -550,17 +550,22 @@ int run_lat1() {
   return 0;
 }
 
-// Whether there is a GPU, asked in a child that exits: the modes that fork
-// must not have initialised CUDA first (a child of a process that did cannot
-// use it). Without one, prints the skip line.
+// Whether there is a GPU; without one, prints the skip line.
+bool gpu_here() {
+  std::string why = gdr::cuda::device_unavailable_reason(0);
+  if (!why.empty()) std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
+  return why.empty();
+}
+
+// `gpu_here()`, asked in a child that exits: the modes that fork must not
+// have initialised CUDA first (a child of a process that did cannot use it).
 bool gpu_probed_in_child() {
   std::fflush(stdout);
   pid_t pid = ::fork();
   if (pid == 0) {
-    std::string why = gdr::cuda::device_unavailable_reason(0);
-    if (!why.empty()) std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
+    bool here = gpu_here();
     std::fflush(stdout);
-    std::_Exit(why.empty() ? 0 : 10);
+    std::_Exit(here ? 0 : 10);
   }
   int st = 0;
   ::waitpid(pid, &st, 0);
@@ -582,18 +587,10 @@ int main(int argc, char** argv) {
     if (!gpu_probed_in_child()) return 0;
     rc = run_kill();
   } else if (o.mode == "lat1") {
-    std::string why = gdr::cuda::device_unavailable_reason(0);
-    if (!why.empty()) {
-      std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
-      return 0;
-    }
+    if (!gpu_here()) return 0;
     rc = run_lat1();
   } else if (o.mode == "loop1") {
-    std::string why = gdr::cuda::device_unavailable_reason(0);
-    if (!why.empty()) {
-      std::printf("[gdr-skip] gdr_staged: %s\n", why.c_str());
-      return 0;
-    }
+    if (!gpu_here()) return 0;
     rc = run_loop1(o);
   } else {
     std::fprintf(stderr, "gdr_staged: unknown mode %s\n", o.mode.c_str());
