@@ -424,9 +424,8 @@ class op : private gdr::detail::cancellable<op> {
   // ---- segments (staged or peer-limited; loop thread) ----
   std::size_t seg_ = 0;       // bytes per segment (0: one frame, not segmented)
   std::size_t total_ = 0;     // bytes the segments cover (what moves)
-  std::size_t issued_ = 0;    // bytes handed to segments so far
+  std::size_t issued_ = 0;    // bytes handed to segments so far (recv: the next data segment's offset)
   std::size_t done_ = 0;      // bytes whose segments finished
-  std::size_t recv_off_ = 0;  // recv: the next data segment's offset
   std::uint64_t nseg_ = 1;    // put/get: requests (ids id_ .. id_ + nseg_ - 1)
   std::uint32_t copies_ = 0;  // copies in flight on this op's memory
   std::uint32_t slots_ = 0;   // staging slots it holds
@@ -1297,7 +1296,7 @@ class engine {
     if (accept < size) r.ec_ = errc::truncated;  // reported when the data is in
     r.stage_ = op::stage::awaiting;
     r.total_ = accept;
-    r.recv_off_ = 0;
+    r.issued_ = 0;
     r.done_ = 0;
     awaiting_data_.push_back(&r);
     frame& f = r.f1_;
@@ -1450,20 +1449,20 @@ class engine {
       auto off = static_cast<std::size_t>(h.size);
       // Segments come in order, cover exactly what was accepted, and the
       // last one says so.
-      if (off != r->recv_off_ || len > r->total_ - off || last != (off + len == r->total_))
+      if (off != r->issued_ || len > r->total_ - off || last != (off + len == r->total_))
         return fail_plan();
       if (r->dev_ >= 0 && len != 0) {
         if (len > chunk_) return fail_plan();  // larger than the rtr allowed
         stage_slot* b = take(rx_);
         if (b == nullptr) return pause_reading();
-        r->recv_off_ += len;
+        r->issued_ += len;
         if (last) {
           awaiting_data_.erase(r);
           r->stage_ = op::stage::placing;
         }
         return place_in_bounce(*r, *b, off, len, 0);
       }
-      r->recv_off_ += len;
+      r->issued_ += len;
       if (last) {
         awaiting_data_.erase(r);
         r->stage_ = op::stage::placing;
