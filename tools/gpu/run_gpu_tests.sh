@@ -104,6 +104,16 @@ for src in tests/protocol/*_test.cpp; do
     echo "protocol_${base}_cuda|$src|1|test" >>"$JOBFILE"
   fi
 done
+# The GPUDirect probe's GPU half and the node probe (no RDMA device there:
+# they read the GPU, then refuse with the check that failed), where
+# libibverbs is installed.
+if [[ -e /usr/include/infiniband/verbs.h ]] && ls /usr/lib/*/libibverbs.so* >/dev/null 2>&1; then
+  for t in gpudirect probe; do
+    [[ -e tests/verbs/${t}_test.cpp ]] && echo "verbs_${t}_test|tests/verbs/${t}_test.cpp|0|verbstest" >>"$JOBFILE"
+  done
+else
+  echo "libibverbs: not installed, the verbs probe tests are not built" >>"$BUILD_LOG"
+fi
 [[ -e examples/quickstart.cpp ]] && echo "quickstart|examples/quickstart.cpp|1|example" >>"$JOBFILE"
 [[ -e examples/quickstart.cu ]] && echo "quickstart|examples/quickstart.cu|1|example" >>"$JOBFILE"
 [[ -e examples/gpu_pipeline.cpp ]] && echo "gpu_pipeline|examples/gpu_pipeline.cpp|1|example|--count 64 --size 16M" >>"$JOBFILE"
@@ -124,6 +134,7 @@ build_one() {  # name src cuda kind
   local name=$1 src=$2 cuda=$3 kind=$4 log="$BUILD/$1.build.log" opt=-O1 extra=()
   [[ "$kind" == bench || "$kind" == hostbench ]] && opt=-O2
   [[ "$kind" == test ]] && extra=("$BUILD/doctest_main.o")
+  [[ "$kind" == verbstest ]] && extra=("$BUILD/doctest_main.o" -DGDR_HAS_VERBS=1 -libverbs)
   local t0=$SECONDS rc
   if [[ "$src" == *.cu ]]; then
     "$NVCC" -std=c++20 -arch=sm_90 $opt -DGDR_HAS_CUDA=$cuda -I"$ROOT" "${URING_INC[@]}" \
@@ -174,7 +185,7 @@ t_run=$SECONDS
 while IFS='|' read -r name src cuda kind args; do
   [[ -x "$BUILD/$name" ]] || continue
   case "$kind" in
-    test)
+    test | verbstest)
       log="$BUILD/$name.run.log"
       timeout 300 "$BUILD/$name" >"$log" 2>&1; rc=$?
       { echo "=== run $name ($src, GDR_HAS_CUDA=$cuda): rc=$rc"; cat "$log"; } >>"$TEST_LOG"

@@ -62,6 +62,11 @@ struct gpudirect_report {
   std::string reason;         ///< a sentence: what failed and what to do
   std::string route;          ///< "dma-buf" or "peermem" when available
   bool needs_flush = false;   ///< receives into this GPU need a flush (writes ordering below OWNER)
+  /// The GPU's half, read before any NIC check (-1: not read, the driver or
+  /// the GPU is missing): `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` and
+  /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`.
+  int gpu_dma_buf = -1;
+  int writes_ordering = -1;
   int gpu = -1;
   std::string nic;
 };
@@ -178,6 +183,8 @@ inline gpudirect_report run_gpudirect_probe(int gpu, ibv_context* nic) {
   int ordering = 0;
   cu.cuDeviceGetAttribute(&ordering, cu_attr_gpu_direct_rdma_writes_ordering, dev);
   r.needs_flush = ordering < cu_writes_ordering_owner;
+  r.gpu_dma_buf = gpu_dmabuf;
+  r.writes_ordering = ordering;
   if (nic == nullptr) return fail("nic-dma-buf", "no RDMA device");
   bool nic_dmabuf = detail::probe_dmabuf(nic);
   bool peermem = detail::peermem_loaded();
