@@ -2,23 +2,29 @@
 # gdr's verbs transport against perftest on the same Soft-RoCE link, in one
 # guest, alternating (gdr, then perftest, per repetition), medians of REPS.
 #
-#   bash benchmarks/verbs/run.sh [VERBS_BENCH] [REPS]      # on the host, as root
+#   bash benchmarks/verbs/run.sh [VERBS_BENCH] [REPS] [WINDOW]   # on the host, as root
 #
 # VERBS_BENCH is the built benchmark (default: bazel-bin's
-# benchmarks/verbs/verbs_bench, built with -c opt). The guest comes from
-# tools/rxe/run-in-rxe-vm.sh. Prints each measurement, then a table of
-# medians and ratios (gdr / perftest).
+# benchmarks/verbs/verbs_bench, built with -c opt). WINDOW (or the
+# environment's WINDOW; default 128, perftest's default --tx-depth) is the
+# operations in flight of every bandwidth measurement: gdr's sliding window,
+# and perftest's -t. The guest comes from tools/rxe/run-in-rxe-vm.sh. Prints
+# each measurement, then a table of medians and ratios (gdr / perftest).
+# What each latency is (one-way for send and write/put, a round trip for
+# read/get) is written in verbs_bench.cpp's header.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 bench=${1:-$here/bazel-bin/benchmarks/verbs/verbs_bench}
 reps=${2:-3}
+window=${3:-${WINDOW:-128}}
+[[ $window =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: WINDOW must be a positive number, not '$window'" >&2; exit 2; }
 bench=$(readlink -f "$bench")
 [[ -x $bench ]] || { echo "run.sh: no benchmark at $bench (./bazelw build -c opt //benchmarks/verbs:verbs_bench)" >&2; exit 2; }
 out=$(mktemp -d /var/tmp/gdr-verbs-bench.XXXXXX)
 cat >"$out/guest.sh" <<'GUEST'
 #!/bin/bash
-# In the guest: $1 = benchmark, $2 = repetitions.
-B=$1; R=$2; D=$RXEVM_DEV; G=$RXEVM_GID_INDEX; IP=$RXEVM_IP
+# In the guest: $1 = benchmark, $2 = repetitions, $3 = window.
+B=$1; R=$2; W=$3; D=$RXEVM_DEV; G=$RXEVM_GID_INDEX; IP=$RXEVM_IP
 pt() {  # perftest pair: server in the background, client retried until it connects
   local tool=$1; shift
   timeout 60 $tool -d $D -x $G "$@" >/dev/null 2>&1 &
@@ -30,22 +36,30 @@ pt() {  # perftest pair: server in the background, client retried until it conne
   wait $s 2>/dev/null || true
   cat /tmp/pt.out
 }
+lat() { awk -v s=$1 '$1 == s {print "typical_us=" $5 " avg_us=" $6}'; }
+bw() { awk -v s=$1 '$1 == s {print "MBps=" $4}'; }
 for r in $(seq 1 $R); do
   echo "# repetition $r"
   timeout 60 $B $IP send_lat 8 1000
-  echo "ib_send_lat $(pt ib_send_lat -s 8 -n 1000 | awk '$1 == 8 {print "typical_us=" $5 " avg_us=" $6}')"
+  echo "ib_send_lat $(pt ib_send_lat -s 8 -n 1000 | lat 8)"
   timeout 60 $B $IP put_lat 8 1000
-  echo "ib_write_lat $(pt ib_write_lat -s 8 -n 1000 | awk '$1 == 8 {print "typical_us=" $5 " avg_us=" $6}')"
-  timeout 120 $B $IP send_bw 65536 2000
-  echo "ib_write_bw $(pt ib_write_bw -s 65536 -n 2000 | awk '$1 == 65536 {print "MBps=" $4}')"
-  timeout 120 $B $IP put_bw 65536 1000
-  echo "ib_write_bw_R $(pt ib_write_bw -R -s 65536 -n 2000 | awk '$1 == 65536 {print "MBps=" $4}')"
+  echo "ib_write_lat $(pt ib_write_lat -s 8 -n 1000 | lat 8)"
+  timeout 60 $B $IP get_lat 8 1000
+  echo "ib_read_lat $(pt ib_read_lat -s 8 -n 1000 | lat 8)"
+  timeout 120 $B $IP send_bw 65536 2000 $W
+  echo "ib_write_bw $(pt ib_write_bw -s 65536 -n 2000 -t $W | bw 65536)"
+  timeout 120 $B $IP put_bw 65536 2000 $W
+  echo "ib_write_bw_R $(pt ib_write_bw -R -s 65536 -n 2000 -t $W | bw 65536)"
+  timeout 120 $B $IP get_bw 65536 2000 $W
+  echo "ib_read_bw $(pt ib_read_bw -s 65536 -n 2000 -t $W | bw 65536)"
+  echo "ib_read_bw_R $(pt ib_read_bw -R -s 65536 -n 2000 -t $W | bw 65536)"
 done
 GUEST
 chmod +x "$out/guest.sh"
-"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1500 -- "$out/guest.sh" "$bench" "$reps" | tee "$out/raw.txt"
-python3 - "$out/raw.txt" <<'PY'
+"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1800 -- "$out/guest.sh" "$bench" "$reps" "$window" | tee "$out/raw.txt"
+python3 - "$out/raw.txt" "$window" <<'PY'
 import re, statistics, sys
+window = sys.argv[2]
 vals = {}
 for line in open(sys.argv[1]):
     w = line.split()
@@ -63,10 +77,13 @@ def row(label, g, p, unit, goal, higher):
     print(f"| {label} | {med[g]:.2f} {unit} | {med[p]:.2f} {unit} | {r:.2f}x | {goal} | {'met' if met else 'not met'} |")
 print("| measurement | gdr | perftest | ratio | goal | |")
 print("| --- | --- | --- | --- | --- | --- |")
-row("latency, 8 B send/recv vs ib_send_lat (t_typical)", 'gdr_send_lat', 'ib_send_lat', 'us', '<= 1.1x', False)
-row("latency, 8 B put vs ib_write_lat (t_typical)", 'gdr_put_lat', 'ib_write_lat', 'us', '<= 1.1x', False)
-row("bandwidth, 64 KiB send/recv (RDMA WRITE) vs ib_write_bw", 'gdr_send_bw', 'ib_write_bw', 'MB/s', '>= 0.9x', True)
-row("bandwidth, 64 KiB put vs ib_write_bw -R", 'gdr_put_bw', 'ib_write_bw_R', 'MB/s', '>= 0.9x', True)
+row("latency, 8 B send/recv vs ib_send_lat (t_typical, one-way)", 'gdr_send_lat', 'ib_send_lat', 'us', '<= 1.1x', False)
+row("latency, 8 B put vs ib_write_lat (t_typical, one-way)", 'gdr_put_lat', 'ib_write_lat', 'us', '<= 1.1x', False)
+row("latency, 8 B get vs ib_read_lat (t_typical, round trip)", 'gdr_get_lat', 'ib_read_lat', 'us', '<= 1.1x', False)
+row(f"bandwidth, 64 KiB send/recv (RDMA WRITE) vs ib_write_bw, {window} in flight", 'gdr_send_bw', 'ib_write_bw', 'MiB/s', '>= 0.9x', True)
+row(f"bandwidth, 64 KiB put vs ib_write_bw -R, {window} in flight", 'gdr_put_bw', 'ib_write_bw_R', 'MiB/s', '>= 0.9x', True)
+row(f"bandwidth, 64 KiB get vs ib_read_bw, {window} in flight", 'gdr_get_bw', 'ib_read_bw', 'MiB/s', '>= 0.9x', True)
+row(f"bandwidth, 64 KiB get vs ib_read_bw -R, {window} in flight", 'gdr_get_bw', 'ib_read_bw_R', 'MiB/s', '>= 0.9x', True)
 print("samples:", {k: v for k, v in vals.items()})
 PY
 rm -rf "$out"

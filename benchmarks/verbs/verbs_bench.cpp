@@ -1,13 +1,58 @@
 // gdr's verbs transport measured the way perftest measures a link: two
 // processes on one RDMA device (fork, then rdma_cm), each with its own
-// scheduler busy-polling. Prints one line per measurement:
+// scheduler busy-polling. The client (the forked child) measures and prints
+// one line:
 //
-//   gdr-verbs send_lat size=8 iters=2000 typical_us=... avg_us=...   (half a round trip, as ib_send_lat)
-//   gdr-verbs put_lat  size=8 ...                                     (put + ack round trip / 2)
-//   gdr-verbs send_bw  size=65536 iters=2000 MBps=...                 (rendezvous above the threshold: RDMA WRITE)
-//   gdr-verbs put_bw   size=65536 ...
+//   gdr-verbs send_lat size=8 iters=1000 typical_us=... avg_us=...
+//   gdr-verbs put_lat  size=8 iters=1000 typical_us=... avg_us=...
+//   gdr-verbs get_lat  size=8 iters=1000 typical_us=... avg_us=...
+//   gdr-verbs send_bw  size=65536 iters=2000 window=128 MBps=...
+//   gdr-verbs put_bw   size=65536 iters=2000 window=128 MBps=...
+//   gdr-verbs get_bw   size=65536 iters=2000 window=128 MBps=...
 //
-//   verbs_bench IP MODE SIZE ITERS      MODE: send_lat | put_lat | send_bw | put_bw
+//   verbs_bench IP MODE SIZE ITERS [WINDOW]
+//     MODE: send_lat | put_lat | get_lat | send_bw | put_bw | get_bw
+//     WINDOW: operations in flight in the *_bw modes (default 128, perftest's
+//     default --tx-depth for ib_write_bw and ib_read_bw)
+//
+// What each number is, next to the perftest number it is compared with.
+// perftest's *_lat tools stamp the time at each post and report the median
+// (t_typical) and mean (t_avg) of the gaps between consecutive posts,
+// divided by 2 for SEND and WRITE (a ping-pong: one-way) and by 1 for READ
+// (one READ's round trip) (perftest_parameters.c, print_report_lat).
+//   send_lat: a send/recv ping-pong of SIZE bytes, the client's round trip
+//             (send, then recv of the answer) / 2: one-way, as ib_send_lat.
+//   put_lat:  a put ping-pong, as ib_write_lat: each side puts SIZE bytes
+//             into the other's registered memory; the server busy-polls the
+//             last byte of its memory for the client's put, then puts back;
+//             the client's round trip (its put, until the answer's last byte
+//             has changed in its own memory) / 2: one-way.
+//   get_lat:  one get of SIZE bytes from the peer's registered memory, from
+//             its start to its completion: a full round trip, as ib_read_lat.
+// perftest's *_bw tools time the client from the first post to the last
+// completion, with up to --tx-depth (128) operations in flight, and report
+// "MB/sec" in MiB/s (2^20 bytes; --report_gbits says so). Here:
+//   send_bw:  SIZE-byte sends with WINDOW in flight (a sliding window: a new
+//             one starts as soon as any completes); above the rendezvous
+//             threshold (8 KiB) the payload goes by RDMA WRITE, so this is
+//             compared with ib_write_bw. The receiver keeps 2 x WINDOW
+//             receives posted, each into its own buffer, so that it is never
+//             what the sender waits for.
+//   put_bw:   SIZE-byte puts into the server's registered memory, WINDOW in
+//             flight; the server only serves (ib_write_bw -R).
+//   get_bw:   SIZE-byte gets from the server's registered memory, WINDOW in
+//             flight (ib_read_bw, ib_read_bw -R).
+// MBps is SIZE x ITERS / seconds / 2^20, perftest's unit. Every operation of
+// a window shares one local buffer (one source for sends and puts, one
+// destination for gets; perftest's buffers are shared the same way), except
+// the receives, which each have their own.
+// Registrations are cached (endpoint_options::cache_registrations), and an
+// untimed warm-up of the same pattern runs first (2 x WINDOW operations for
+// send_bw, so that every receive buffer is registered; WINDOW for put_bw and
+// get_bw; 10% of ITERS, at most 100, for the latency modes): registration
+// is out of the timed loop, as perftest registers before it starts.
+// The connection's send slots and receive buffers (tx_depth, rx_depth) are
+// made at least WINDOW deep, as perftest sizes its queue pair by --tx-depth.
 //
 // Needs an RDMA device whose address is IP (benchmarks/verbs/run.sh runs it
 // in the Soft-RoCE guest, side by side with perftest).
@@ -16,12 +61,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <coroutine>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include <gdr/coro/scope.hpp>
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
 #include <gdr/coro/when_all.hpp>
@@ -32,50 +80,103 @@
 namespace {
 
 using clk = std::chrono::steady_clock;
+using bytes = std::vector<std::byte>;
+using remote = gdr::remote_view<std::byte, gdr::Host>;
 
-gdr::view<std::byte, gdr::Host> v(std::vector<std::byte>& b) { return {b.data(), b.size()}; }
+// Data on tag 0; the benchmark's own handshakes (descriptors, ready, done)
+// on tag 1, so that they never meet a data receive.
+constexpr gdr::tag data_tag{0};
+constexpr gdr::tag ctl_tag{1};
 
-// Streams `iters` messages with up to `window` in flight.
-gdr::task<> stream_send(gdr::verbs::endpoint& ep, std::vector<std::byte>& buf, int iters, int window) {
-  for (int done = 0; done < iters;) {
-    int n = std::min(window, iters - done);
-    std::vector<gdr::task<std::size_t>> ops;
-    for (int i = 0; i < n; ++i)
-      ops.push_back([](gdr::verbs::endpoint& e, std::vector<std::byte>& b) -> gdr::task<std::size_t> {
-        co_return co_await e.send(v(b));
-      }(ep, buf));
-    co_await gdr::when_all(std::move(ops));
-    done += n;
+gdr::view<std::byte, gdr::Host> v(bytes& b) { return {b.data(), b.size()}; }
+
+// Resumes the awaiting coroutine on the next turn of the scheduler's loop,
+// after it has polled its completion queue (a busy-poll that lets the
+// endpoint progress meanwhile).
+struct next_turn : gdr::remote_work {
+  gdr::scheduler* s;
+  std::coroutine_handle<> h{};
+  explicit next_turn(gdr::scheduler& sc) : s(&sc) {}
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> c) noexcept {
+    h = c;
+    run = [](gdr::remote_work* w) noexcept { static_cast<next_turn*>(w)->h.resume(); };
+    s->post(this);
+  }
+  void await_resume() const noexcept {}
+};
+
+// Waits until the last byte of `b` is `want` (written by the peer's put).
+gdr::task<> wait_last_byte(gdr::scheduler& s, const bytes& b, std::byte want) {
+  const volatile std::byte* last = b.data() + b.size() - 1;
+  while (*last != want) co_await next_turn(s);
+}
+
+// The ping-pong's mark of iteration i: never 0 (the memory's first value),
+// and different in consecutive iterations.
+std::byte mark(int i) { return static_cast<std::byte>(i % 255 + 1); }
+
+gdr::task<> ctl_send(gdr::verbs::endpoint& ep, const void* p, std::size_t n) {
+  co_await ep.send(gdr::view<const std::byte, gdr::Host>(static_cast<const std::byte*>(p), n), ctl_tag);
+}
+gdr::task<> ctl_recv(gdr::verbs::endpoint& ep, void* p, std::size_t n) {
+  co_await ep.recv(gdr::view<std::byte, gdr::Host>(static_cast<std::byte*>(p), n), ctl_tag);
+}
+
+// The sliding window: `window` workers share a count of `n` operations; each
+// starts the next as soon as its previous one has completed, so that
+// min(window, n) operations are in flight until the last ones drain.
+// `op(w)` starts one operation for worker w and returns its awaitable.
+template <class Op>
+gdr::task<> worker(int& next, int n, int w, Op& op) {
+  while (next < n) {
+    ++next;
+    (void)co_await op(w);
   }
 }
-gdr::task<> stream_recv(gdr::verbs::endpoint& ep, std::vector<std::vector<std::byte>>& bufs, int iters, int window) {
-  for (int done = 0; done < iters;) {
-    int n = std::min(window, iters - done);
-    std::vector<gdr::task<std::size_t>> ops;
-    for (int i = 0; i < n; ++i)
-      ops.push_back([](gdr::verbs::endpoint& e, std::vector<std::byte>& b) -> gdr::task<std::size_t> {
-        co_return co_await e.recv(v(b));
-      }(ep, bufs[static_cast<std::size_t>(i)]));
-    co_await gdr::when_all(std::move(ops));
-    done += n;
-  }
+template <class Op>
+gdr::task<> sliding_window(int n, int window, Op op) {
+  int next = 0;
+  std::vector<gdr::task<>> workers;
+  for (int w = 0; w < std::min(window, n); ++w) workers.push_back(worker(next, n, w, op));
+  co_await gdr::when_all(std::move(workers));
+}
+
+struct stats {
+  double typical = 0, avg = 0;
+};
+stats summarize(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  double sum = 0;
+  for (double x : xs) sum += x;
+  return {xs[xs.size() / 2], sum / static_cast<double>(xs.size())};
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: %s IP send_lat|put_lat|send_bw|put_bw SIZE ITERS\n", argv[0]);
+    std::fprintf(stderr, "usage: %s IP send_lat|put_lat|get_lat|send_bw|put_bw|get_bw SIZE ITERS [WINDOW]\n",
+                 argv[0]);
     return 2;
   }
   std::string ip = argv[1], mode = argv[2];
   std::size_t size = std::strtoull(argv[3], nullptr, 10);
   int iters = std::atoi(argv[4]);
-  const int window = 32;
+  int window = argc > 5 ? std::atoi(argv[5]) : 128;
+  bool lat = mode == "send_lat" || mode == "put_lat" || mode == "get_lat";
+  bool bw = mode == "send_bw" || mode == "put_bw" || mode == "get_bw";
+  if ((!lat && !bw) || size == 0 || iters < 2 || window < 1) {
+    std::fprintf(stderr, "verbs_bench: bad arguments (MODE %s, SIZE >= 1, ITERS >= 2, WINDOW >= 1)\n", mode.c_str());
+    return 2;
+  }
+  const int recv_window = 2 * window;  // send_bw's receives posted ahead
   const std::uint16_t port = static_cast<std::uint16_t>(20000 + (::getpid() % 20000));
   gdr::verbs::endpoint_options eo;
   eo.protocol.rendezvous_threshold = 8192;  // large messages by RDMA WRITE, as ib_write_bw
   eo.cache_registrations = true;            // the buffers live for the whole run
+  eo.tx_depth = std::max<unsigned>(eo.tx_depth, static_cast<unsigned>(window));
+  eo.rx_depth = std::max<unsigned>(eo.rx_depth, static_cast<unsigned>(window));
   int ctl[2];
   if (::pipe(ctl) != 0) return 1;
   pid_t child = ::fork();
@@ -87,16 +188,14 @@ int main(int argc, char** argv) {
     gdr::sync_wait(sched, [&]() -> gdr::task<> {
       gdr::verbs::endpoint ep;
       std::string addr = ip + ":" + std::to_string(port);
-      std::vector<std::byte> target(std::max<std::size_t>(size, 1));
+      // Each side's memory the other may put into and get from.
+      bytes target(size);
       auto reg = gdr::register_memory(gdr::host_view(target));
       if (server) {
         gdr::verbs::listener l(sched, addr, gdr::default_registry(), eo);
         char c = 1;
         (void)!::write(ctl[1], &c, 1);
         ep = co_await l.accept();
-        // Tell the client where to put.
-        std::uint64_t desc[3] = {reg.describe(0).address(), reg.describe(0).size(), reg.key()};
-        co_await ep.send(gdr::view<const std::byte, gdr::Host>(reinterpret_cast<const std::byte*>(desc), sizeof desc));
       } else {
         char c;
         if (::read(ctl[0], &c, 1) != 1) co_return;
@@ -114,68 +213,90 @@ int main(int argc, char** argv) {
           co_await gdr::sleep_for(sched, std::chrono::milliseconds(20));
         }
       }
-      std::uint64_t desc[3] = {};
-      if (!server) co_await ep.recv(gdr::view<std::byte, gdr::Host>(reinterpret_cast<std::byte*>(desc), sizeof desc));
-      gdr::remote_view<std::byte, gdr::Host> remote(desc[0], desc[1], desc[2], 0);
-      std::vector<std::byte> buf(size, std::byte{1});
-      std::vector<std::vector<std::byte>> rbufs(window, std::vector<std::byte>(size));
-      if (mode == "send_lat" || mode == "put_lat") {
-        std::vector<double> half;
-        half.reserve(static_cast<std::size_t>(iters));
+      // Tell each other where to put and get.
+      std::uint64_t mine[3] = {reg.describe(0).address(), reg.describe(0).size(), reg.key()}, theirs[3] = {};
+      co_await ctl_send(ep, mine, sizeof mine);
+      co_await ctl_recv(ep, theirs, sizeof theirs);
+      remote peer(theirs[0], theirs[1], theirs[2], 0);
+      bytes buf(size, std::byte{1});
+      std::byte flag{};  // ready / done
+
+      if (lat) {
+        std::vector<double> samples;
+        samples.reserve(static_cast<std::size_t>(iters));
         int warm = std::min(100, iters / 10);
-        for (int i = 0; i < iters + warm; ++i) {
+        // get_lat: the server only serves (until the client's done).
+        int rounds = server && mode == "get_lat" ? 0 : warm + iters;
+        for (int i = 0; i < rounds; ++i) {
           auto t0 = clk::now();
+          double div = 2;  // ping-pongs: one-way = round trip / 2
           if (mode == "send_lat") {
             if (server) {
-              co_await ep.recv(v(rbufs[0]));
-              co_await ep.send(v(buf));
+              co_await ep.recv(v(target), data_tag);
+              co_await ep.send(v(buf), data_tag);
             } else {
-              co_await ep.send(v(buf));
-              co_await ep.recv(v(rbufs[0]));
+              co_await ep.send(v(buf), data_tag);
+              co_await ep.recv(v(target), data_tag);
             }
-          } else if (!server) {
-            co_await ep.put(v(buf), remote);  // completes when the peer has acknowledged it
+          } else if (mode == "put_lat") {
+            buf.back() = mark(i);
+            if (server) {
+              co_await wait_last_byte(sched, target, mark(i));
+              co_await ep.put(v(buf), peer);
+            } else {
+              co_await gdr::when_all(
+                  [](gdr::verbs::endpoint& e, bytes& b, remote r) -> gdr::task<> { co_await e.put(v(b), r); }(
+                      ep, buf, peer),
+                  wait_last_byte(sched, target, mark(i)));
+            }
+          } else {
+            div = 1;  // a get is a round trip, as ib_read_lat reports it
+            co_await ep.get(v(buf), peer);
           }
-          if (i >= warm) half.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count() / 2);
+          if (i >= warm) samples.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count() / div);
         }
         if (!server) {
-          std::sort(half.begin(), half.end());
-          double avg = 0;
-          for (double x : half) avg += x;
-          avg /= static_cast<double>(half.size());
+          stats s = summarize(samples);
           std::printf("gdr-verbs %s size=%zu iters=%d typical_us=%.2f avg_us=%.2f\n", mode.c_str(), size, iters,
-                      half[half.size() / 2], avg);
+                      s.typical, s.avg);
         }
-        // Both sides finish together.
-        std::byte done{};
-        if (server) co_await ep.recv(gdr::view<std::byte, gdr::Host>(&done, 1));
-        else co_await ep.send(gdr::view<const std::byte, gdr::Host>(&done, 1));
       } else {
-        auto t0 = clk::now();
-        if (mode == "send_bw") {
-          if (server) co_await stream_recv(ep, rbufs, iters, window);
-          else co_await stream_send(ep, buf, iters, window);
-        } else if (!server) {
-          for (int done = 0; done < iters;) {
-            int n = std::min(window, iters - done);
-            std::vector<gdr::task<std::size_t>> ops;
-            for (int i = 0; i < n; ++i)
-              ops.push_back([](gdr::verbs::endpoint& e, std::vector<std::byte>& b,
-                               gdr::remote_view<std::byte, gdr::Host> r) -> gdr::task<std::size_t> {
-                co_return co_await e.put(v(b), r);
-              }(ep, buf, remote));
-            co_await gdr::when_all(std::move(ops));
-            done += n;
+        std::vector<bytes> rbufs;
+        if (mode == "send_bw" && server) rbufs.assign(static_cast<std::size_t>(recv_window), bytes(size));
+        auto send_op = [&](int) { return ep.send(v(buf), data_tag); };
+        auto recv_op = [&](int w) { return ep.recv(v(rbufs[static_cast<std::size_t>(w)]), data_tag); };
+        auto put_op = [&](int) { return ep.put(v(buf), peer); };
+        auto get_op = [&](int) { return ep.get(v(buf), peer); };
+        int warm = std::min(iters, mode == "send_bw" ? recv_window : window);
+        if (server) {
+          if (mode == "send_bw") {
+            co_await sliding_window(warm, recv_window, recv_op);
+            // Receives of the timed run posted before the sender starts.
+            gdr::task_scope scope;
+            scope.spawn(sliding_window(iters, recv_window, recv_op));
+            co_await ctl_send(ep, &flag, 1);
+            co_await scope.join();
+          } else {
+            co_await ctl_send(ep, &flag, 1);  // put and get: the server only serves
           }
+        } else {
+          if (mode == "send_bw") co_await sliding_window(warm, window, send_op);
+          else if (mode == "put_bw") co_await sliding_window(warm, window, put_op);
+          else co_await sliding_window(warm, window, get_op);
+          co_await ctl_recv(ep, &flag, 1);  // ready
+          auto t0 = clk::now();
+          if (mode == "send_bw") co_await sliding_window(iters, window, send_op);
+          else if (mode == "put_bw") co_await sliding_window(iters, window, put_op);
+          else co_await sliding_window(iters, window, get_op);
+          double secs = std::chrono::duration<double>(clk::now() - t0).count();
+          std::printf("gdr-verbs %s size=%zu iters=%d window=%d MBps=%.2f\n", mode.c_str(), size, iters, window,
+                      static_cast<double>(size) * iters / secs / (1024.0 * 1024.0));
         }
-        double secs = std::chrono::duration<double>(clk::now() - t0).count();
-        std::byte done{};
-        if (server) co_await ep.recv(gdr::view<std::byte, gdr::Host>(&done, 1));
-        else co_await ep.send(gdr::view<const std::byte, gdr::Host>(&done, 1));
-        if (!server)
-          std::printf("gdr-verbs %s size=%zu iters=%d MBps=%.2f\n", mode.c_str(), size, iters,
-                      static_cast<double>(size) * iters / secs / 1e6);
       }
+      // Both sides finish together: the client's done after its last
+      // operation completed, so the server served everything.
+      if (server) co_await ctl_recv(ep, &flag, 1);
+      else co_await ctl_send(ep, &flag, 1);
       co_await reg.revoke();
       co_await ep.close();
     }());
