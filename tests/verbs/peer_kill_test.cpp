@@ -1,6 +1,7 @@
 // A verbs peer killed with SIGKILL: the kernel destroys its rdma_cm ids,
-// which disconnects; every operation pending on this side fails within
-// 2 s. Its own binary: the peer is a child forked before this process has
+// which disconnects; every operation pending on this side (a receive, a
+// rendezvous send, a put its NIC reads and a get its NIC writes) fails
+// within 2 s. Its own binary: the peer is a child forked before this process has
 // touched rdma_cm or registered memory (a forked child shares the parent's
 // verbs objects otherwise). Needs an RDMA device and GDR_VERBS_IP; skips
 // with the reason otherwise.
@@ -19,6 +20,7 @@
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
 #include <gdr/coro/when_all.hpp>
+#include <gdr/memory/registration.hpp>
 #include <gdr/sched/timer.hpp>
 #include <gdr/transport/verbs.hpp>
 
@@ -46,6 +48,10 @@ gdr::task<gdr::op_report> report_of(Op op) {
 TEST_CASE("when the peer process is killed, every pending operation fails within 2 seconds") {
   if (std::string why = conformance::verbs_skip_reason(); !why.empty()) GDR_SKIP(why);
   std::string ip = conformance::verbs_ip();
+  // The peer's exposed window: a remote_view's parts.
+  struct window_desc {
+    std::uint64_t addr, size, key;
+  };
   int ready[2];
   REQUIRE(::pipe(ready) == 0);
   // The listener's port, chosen by the parent before the child connects.
@@ -55,13 +61,18 @@ TEST_CASE("when the peer process is killed, every pending operation fails within
   REQUIRE(child >= 0);
   if (child == 0) {
     // The peer: connects, says so, and waits to be killed.
+    // It exposes 32 MiB that this side puts into and gets from (its NIC
+    // reads the put and writes the get when it is killed).
     std::uint16_t port = 0;
     if (::read(port_pipe[0], &port, sizeof port) != sizeof port) ::_exit(2);
+    std::vector<std::byte> window(32u << 20);
+    auto reg = gdr::register_memory(gdr::host_view(window));
+    auto rv = reg.describe(0);
     gdr::scheduler s;
     gdr::sync_wait(s, [&]() -> gdr::task<> {
       auto ep = co_await gdr::verbs::connect(s, ip + ":" + std::to_string(port), ip + ":0");
-      char c = 1;
-      (void)!::write(ready[1], &c, 1);
+      window_desc d{rv.address(), rv.size(), rv.key()};
+      (void)!::write(ready[1], &d, sizeof d);
       co_await gdr::sleep_for(s, 60s);
     }());
     ::_exit(0);
@@ -73,30 +84,40 @@ TEST_CASE("when the peer process is killed, every pending operation fails within
     std::uint16_t port = l.port();
     (void)!::write(port_pipe[1], &port, sizeof port);
     gdr::verbs::endpoint ep = co_await l.accept();
-    char c = 0;
-    REQUIRE(::read(ready[0], &c, 1) == 1);
+    window_desc d{};
+    REQUIRE(::read(ready[0], &d, sizeof d) == sizeof d);
+    gdr::remote_view<std::byte, gdr::Host> rv(d.addr, d.size, d.key, 0);
     std::vector<std::byte> in(64);
     auto big = pattern(1u << 20);
-    auto t0 = std::chrono::steady_clock::now();
+    auto src = pattern(16u << 20);
+    std::vector<std::byte> back(16u << 20);
     std::chrono::steady_clock::time_point killed;
-    auto [r, s, x] = co_await gdr::when_all(report_of(ep.recv(gdr::view<std::byte, gdr::Host>(in.data(), in.size()))), report_of(ep.send(gdr::view<const std::byte, gdr::Host>(big.data(), big.size()))),
-                                            [&]() -> gdr::task<int> {
-                                              co_await gdr::sleep_for(20ms);
-                                              killed = std::chrono::steady_clock::now();
-                                              ::kill(child, SIGKILL);
-                                              co_return 0;
-                                            }());
+    auto [r, s, p, g, x] = co_await gdr::when_all(
+        report_of(ep.recv(gdr::view<std::byte, gdr::Host>(in.data(), in.size()))),
+        report_of(ep.send(gdr::view<const std::byte, gdr::Host>(big.data(), big.size()))),
+        report_of(ep.put(gdr::view<const std::byte, gdr::Host>(src.data(), src.size()), rv)),
+        report_of(ep.get(gdr::view<std::byte, gdr::Host>(back.data(), back.size()), rv)),
+        [&]() -> gdr::task<int> {
+          co_await gdr::sleep_for(20ms);
+          killed = std::chrono::steady_clock::now();
+          ::kill(child, SIGKILL);
+          co_return 0;
+        }());
     auto took = std::chrono::steady_clock::now() - killed;
     MESSAGE("pending operations failed "
             << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms after SIGKILL");
     CHECK(r.error == gdr::errc::connection_lost);
     CHECK(s.error == gdr::errc::connection_lost);
+    CHECK(p.error == gdr::errc::connection_lost);
+    CHECK(g.error == gdr::errc::connection_lost);
     CHECK(took < 2s);
-    (void)t0;
+    // The put and the get went by RDMA: their buffers were registered.
+    CHECK(ep.stats().registrations >= 2);
   }());
   sched.drain();
   int status = 0;
   ::waitpid(child, &status, 0);
   CHECK(WIFSIGNALED(status));
 }
+
 

@@ -1,6 +1,6 @@
 // The verbs transport's own behaviour, beyond the conformance suite: inline
 // and bounce-buffer SENDs, rendezvous by RDMA WRITE with immediate data,
-// registration and keys, revocation while a peer accesses, a peer killed
+// puts served by RDMA READ and gets by RDMA WRITE, registration and keys, revocation while a peer accesses, a peer killed
 // with SIGKILL (peer_kill_test.cpp), a queue pair forced into the error state, and the GPUDirect
 // probe's refusal. Real verbs: they need an RDMA device and its IP address
 // (GDR_VERBS_IP; the Soft-RoCE guest of .ci/verbs-vm.sh sets it) and skip
@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -148,6 +149,109 @@ TEST_CASE("put and get need the registration's key and stay inside it; a refusal
     CHECK(std::all_of(target.begin(), target.end(), [](std::byte x) { return x == std::byte{0}; }));
     CHECK(b.stats().refused == 3);
     CHECK(a.is_open());
+    co_await a.close();
+  });
+}
+
+TEST_CASE("a large put is read and a large get written by the target's NIC, straight between the two buffers") {
+  REQUIRE_VERBS();
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    // One byte more than one SEND carries, several MiB, and more than one
+    // READ work request's worth (8 MiB each).
+    const std::vector<std::size_t> sizes{32 * 1024 - 72 + 1, std::size_t{1} << 20, (std::size_t{20} << 20) + 3};
+    std::uint64_t puts = 0;
+    for (std::size_t n : sizes) {
+      CAPTURE(n);
+      std::vector<std::byte> target(n, std::byte{0});
+      auto reg = gdr::register_memory(gdr::host_view(target));
+      auto rv = reg.describe(0);
+      auto src = pattern(n, static_cast<std::uint32_t>(n));
+      gdr::op_report p = co_await report_of(a.put(cbytes_of(src), rv));
+      CHECK(!p.error);
+      CHECK(p.bytes == n);
+      CHECK(p.path == gdr::transfer_path::host_zero_copy);
+      CHECK(target == src);
+      ++puts;
+      CHECK(b.stats().rdma_read == puts);
+      std::vector<std::byte> back(n);
+      auto received = a.stats().rdma_received;
+      gdr::op_report g = co_await report_of(a.get(bytes_of(back), rv));
+      CHECK(!g.error);
+      CHECK(g.bytes == n);
+      CHECK(g.path == gdr::transfer_path::host_zero_copy);
+      CHECK(back == src);
+      CHECK(a.stats().rdma_received == received + 1);
+    }
+    CHECK(b.stats().read_wrs >= 5);   // 20 MiB took three READs
+    CHECK(b.stats().write_wrs >= 5);  // and three WRITEs back
+    CHECK(b.stats().served_puts == 3);
+    CHECK(b.stats().served_gets == 3);
+    // Their payloads went by RDMA, not SENDs: a handful of header SENDs each.
+    CHECK(a.stats().send_wrs < 20);
+    CHECK(b.stats().fragments == 0);
+    co_await a.close();
+  });
+}
+
+TEST_CASE("a refused large put or get moves nothing by RDMA, and the endpoint stays usable") {
+  REQUIRE_VERBS();
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    const std::size_t n = 1 << 20;
+    std::vector<std::byte> target(n, std::byte{0});
+    auto reg = gdr::register_memory(gdr::host_view(target));
+    auto rv = reg.describe(0);
+    auto src = pattern(n, 5);
+    gdr::remote_view<std::byte, gdr::Host> bad(rv.address(), rv.size(), rv.key() + 1, 0);
+    gdr::op_report r = co_await report_of(a.put(cbytes_of(src), bad));
+    CHECK(r.error == gdr::errc::remote_access);
+    std::vector<std::byte> back(n, std::byte{0x5a});
+    r = co_await report_of(a.get(bytes_of(back), bad));
+    CHECK(r.error == gdr::errc::remote_access);
+    CHECK(std::all_of(target.begin(), target.end(), [](std::byte x) { return x == std::byte{0}; }));
+    CHECK(std::all_of(back.begin(), back.end(), [](std::byte x) { return x == std::byte{0x5a}; }));
+    CHECK(b.stats().read_wrs == 0);
+    CHECK(b.stats().write_wrs == 0);
+    CHECK(a.stats().rdma_received == 0);
+    CHECK(b.stats().refused == 2);
+    // The right key still works, both ways.
+    CHECK(co_await a.put(cbytes_of(src), rv) == n);
+    CHECK(target == src);
+    CHECK(co_await a.get(bytes_of(back), rv) == n);
+    CHECK(back == src);
+    co_await a.close();
+  });
+}
+
+TEST_CASE("a large get stopped after its request went out returns only when nothing writes into its buffer") {
+  REQUIRE_VERBS();
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    (void)b;
+    const std::size_t n = 8u << 20;
+    std::vector<std::byte> exposed = pattern(n, 9);
+    auto reg = gdr::register_memory(gdr::host_view(exposed));
+    auto rv = reg.describe(0);
+    for (auto delay : {0ms, 1ms, 5ms}) {
+      CAPTURE(delay.count());
+      std::vector<std::byte> back(n, std::byte{0});
+      std::stop_source stop;
+      auto [g, x] = co_await gdr::when_all(report_of(a.get(bytes_of(back), rv, {stop.get_token()})),
+                                           [&]() -> gdr::task<int> {
+                                             if (delay.count() != 0) co_await gdr::sleep_for(delay);
+                                             stop.request_stop();
+                                             co_return 0;
+                                           }());
+      // Either way the operation has ended: whole, or stopped.
+      if (!g.error) CHECK(back == exposed);
+      if (g.error) CHECK(g.error == gdr::errc::cancelled);
+      // Nothing lands in the buffer after the operation returned.
+      std::fill(back.begin(), back.end(), std::byte{0x77});
+      co_await gdr::sleep_for(50ms);
+      CHECK(std::all_of(back.begin(), back.end(), [](std::byte x) { return x == std::byte{0x77}; }));
+    }
+    // Still in step.
+    std::vector<std::byte> back(n);
+    CHECK(co_await a.get(bytes_of(back), rv) == n);
+    CHECK(back == exposed);
     co_await a.close();
   });
 }

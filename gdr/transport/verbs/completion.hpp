@@ -110,10 +110,12 @@ struct device_queue {
     bool in_flight = false;
   } watch;
   std::vector<std::pair<ibv_qp*, qp_event_sink*>> sinks;
-  /// Registrations of users' buffers: rendezvous receives (remote write)
-  /// and RDMA WRITE sources (local read), keyed by address range.
+  /// Registrations of users' buffers, keyed by address range: rendezvous
+  /// receives, get destinations and RDMA READ destinations (remote write);
+  /// RDMA WRITE sources (local read); put sources (remote read).
   std::unique_ptr<mr_cache> recv_mrs;
   std::unique_ptr<mr_cache> send_mrs;
+  std::unique_ptr<mr_cache> read_mrs;
 };
 
 namespace detail {
@@ -269,6 +271,7 @@ class cq_poller final : public poller {
     for (auto& d : devices_) {
       d->recv_mrs.reset();
       d->send_mrs.reset();
+      d->read_mrs.reset();
       if (d->unacked != 0) ibv_ack_cq_events(d->cq, d->unacked);
       if (d->cq != nullptr && ibv_destroy_cq(d->cq) != 0) std::perror("gdr verbs: ibv_destroy_cq");
       if (d->channel != nullptr) ibv_destroy_comp_channel(d->channel);
@@ -301,6 +304,7 @@ class cq_poller final : public poller {
     try {
       d->recv_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, remote_write_access});
       d->send_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, local_read_access});
+      d->read_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, remote_read_access});
     } catch (...) {
       return fail(ENOMEM);
     }

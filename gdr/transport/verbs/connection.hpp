@@ -33,6 +33,21 @@
 /// registered sends its `rtr` without a key and gets the data as SENDs
 /// through the bounce buffers (`host_eager`).
 ///
+/// Puts and gets. The protocol layer checks every access to exposed memory
+/// at the target (key, range, permission, revocation: `memory_registry`),
+/// so the target's NIC moves the bytes, never the initiator's with a key to
+/// the target's memory: a request whose bytes do not fit one SEND carries
+/// the address and key of the initiator's memory instead. The target checks
+/// it, holds its lease, and reads a put's payload with RDMA READ straight
+/// into the exposed memory (then answers `put_ack`), or writes a get's reply
+/// with RDMA WRITE + WRITE_WITH_IMM straight from it (immediate = the
+/// request id with bit 31 set: the reply itself). A refused request is
+/// answered with a SEND and nothing is read or written; a revoked key
+/// waits for the READ or WRITE in flight, as for any access. The initiator
+/// holds its request frame (its memory registered, the operation
+/// unfinished even if cancelled) until the answer has come. While a READ
+/// runs, the frames behind it wait (placement is in order).
+///
 /// Credits. Each side posts `rx_depth` receive buffers before connecting and
 /// tells the peer (connection private data). A SEND or WRITE_WITH_IMM
 /// consumes one; every header carries the count of buffers this side has
@@ -137,7 +152,9 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t inline_sends = 0;    ///< of which inline
   std::uint64_t fragments = 0;       ///< continuation SENDs of payloads larger than a buffer
   std::uint64_t write_wrs = 0;       ///< RDMA WRITE work requests (WITH_IMM included)
-  std::uint64_t rdma_received = 0;   ///< rendezvous payloads the peer wrote straight into a receive
+  std::uint64_t read_wrs = 0;        ///< RDMA READ work requests (puts this side serves)
+  std::uint64_t rdma_received = 0;   ///< payloads the peer wrote straight into a receive or a get
+  std::uint64_t rdma_read = 0;       ///< put payloads this side read from the peer's memory
   std::uint64_t credit_messages = 0; ///< credit-only SENDs
   std::uint64_t credit_stalls = 0;   ///< times a frame waited for credits
   std::uint64_t registrations = 0;   ///< users' buffers registered (or found cached)
@@ -157,7 +174,7 @@ using proto::frame;
 /// What each side tells the other in rdma_cm's private data.
 struct conn_params {
   std::uint32_t magic = 0x56524447u;  // "GDRV"
-  std::uint16_t version = 1;
+  std::uint16_t version = 2;  // 2: puts and gets by RDMA READ and WRITE
   std::uint16_t flags = 0;
   std::uint32_t rx_depth = 0;
   std::uint32_t buffer_size = 0;
@@ -165,7 +182,7 @@ struct conn_params {
 static_assert(sizeof(conn_params) == 16);
 
 inline bool params_ok(const conn_params& p) noexcept {
-  return p.magic == 0x56524447u && p.version == 1 && p.rx_depth >= 2 && p.buffer_size >= 256;
+  return p.magic == 0x56524447u && p.version == 2 && p.rx_depth >= 2 && p.buffer_size >= 256;
 }
 
 /// What starts every SEND (host byte order: both ends run this library on
@@ -183,8 +200,8 @@ struct wire_header {
   std::uint64_t id = 0;
   std::uint64_t addr = 0;
   std::uint64_t key = 0;
-  std::uint64_t raddr = 0;  ///< rtr: where the receive's bytes go (0: send them)
-  std::uint32_t rkey = 0;   ///< rtr: its remote key
+  std::uint64_t raddr = 0;  ///< rtr, get_request: where the bytes go; put_request: where they are (0: SENDs)
+  std::uint32_t rkey = 0;   ///< its remote key
   std::uint32_t pad1 = 0;
 };
 static_assert(sizeof(wire_header) == 72);
@@ -206,9 +223,20 @@ inline bool decode(const wire_header& w, std::uint64_t max, proto::header& h) no
   h.addr = w.addr;
   h.key = w.key;
   if (!proto::valid(h, max)) return false;
-  // Only an rtr names a remote buffer.
-  if (h.type != proto::msg::rtr && (w.raddr != 0 || w.rkey != 0)) return false;
+  // Only an rtr, a put request (its source) and a get request (its
+  // destination) name a buffer of their sender.
+  bool names_buffer = h.type == proto::msg::rtr || h.type == proto::msg::put_request || h.type == proto::msg::get_request;
+  if (!names_buffer && (w.raddr != 0 || w.rkey != 0)) return false;
   return true;
+}
+
+/// The immediate of a WRITE_WITH_IMM: which memory of the receiver's it
+/// filled. Bit 31 tells a get's reply (`token`: the receiver's request id)
+/// from a rendezvous message (`token`: the receiver's rtr token, which is
+/// the sender's id); the two id spaces are separate, so the bit keeps equal
+/// low bits apart. 31 bits of the token tell apart everything in flight.
+constexpr std::uint32_t imm_of(bool get_reply, std::uint64_t token) noexcept {
+  return (get_reply ? 0x80000000u : 0u) | (static_cast<std::uint32_t>(token) & 0x7fffffffu);
 }
 
 /// `a` is later than `b` in 32-bit serial arithmetic.
@@ -323,6 +351,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint32_t covered = 1;  // send-queue entries this completion frees
     bool keepalive = false;
     bool rdma = false;          // f's payload went by RDMA WRITE
+    bool read = false;          // an RDMA READ of a put being served
+    std::size_t read_bytes = 0; // ... of this many bytes
     std::byte* buf = nullptr;   // this slot's bounce buffer
     gdr::verbs::mr_cache::lease lease{};  // the RDMA source's registration
     const std::byte* lease_addr = nullptr;
@@ -336,21 +366,43 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint32_t imm;
     bool is_imm;
   };
-  /// A rendezvous receive the peer writes into.
-  struct rx_write {
-    std::uint64_t token;
-    std::byte* dst;
+  /// Memory of this side that the peer's NIC writes into or reads from:
+  /// a frame this side sent carried its address and key.
+  enum class grant_kind : std::uint8_t {
+    recv,  ///< a rendezvous receive (the rtr's); the peer WRITEs the message
+    get,   ///< a get's destination (the get_request's); the peer WRITEs the reply
+    put,   ///< a put's source (the put_request's); the peer READs it
+  };
+  struct grant {
+    grant_kind kind;
+    std::uint64_t token;  // recv: the rtr's token; get, put: this side's request id
+    const std::byte* addr;
     std::size_t len;
     gdr::verbs::mr_cache::lease lease;
-    frame* rtr;
-    bool rtr_done;   // its SEND completed (the frame is held until the data is in)
-    bool data_done;  // the WRITE_WITH_IMM arrived
+    frame* f;        // the frame that carried the key: held (no on_sent) until both below
+    bool sent;       // its SEND completed
+    bool done;       // the peer is done with the memory: the data or the answer arrived
   };
-  /// Where the peer's rtr said a rendezvous payload goes.
+  /// Where the peer's rtr or get_request said bytes go.
   struct remote_dst {
-    std::uint64_t token;
+    bool get_reply;        // a get_request's destination (else an rtr's)
+    std::uint64_t token;   // the rtr's token, or the get's request id
     std::uint64_t raddr;
     std::uint32_t rkey;
+  };
+  /// A put this side serves by reading its payload from the peer's memory
+  /// into the exposed memory (`dst`); the engine's placement waits for it,
+  /// and so does parsing of the frames behind it.
+  struct pending_read {
+    bool active = false;
+    bool posted = false;   // a READ is in flight
+    bool aborted = false;  // the engine dropped the placement meanwhile
+    std::byte* dst = nullptr;
+    std::size_t len = 0;
+    std::size_t done = 0;
+    std::uint64_t raddr = 0;
+    std::uint32_t rkey = 0;
+    gdr::verbs::mr_cache::lease lease{};  // dst's registration; without one, READs go through a send slot
   };
   struct kick_node : remote_work {
     connection* self = nullptr;
@@ -430,7 +482,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       rdma_destroy_event_channel(ch_);
       ch_ = nullptr;
     }
-    rx_writes_.clear();
+    grants_.clear();
+    rd_ = pending_read{};
     for (std::uint32_t i = 0; tx_slots_ && i < tx_n_; ++i) tx_slots_[i].lease.release();
     rx_mr_.reset();
     tx_mr_.reset();
@@ -463,6 +516,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       kick();
       return;
     }
+    // encoded[0]: whether the frame carries a key (1), or will not (2), or
+    // is not decided yet (0: a put or get request decides when it is posted).
+    f.encoded[0] = std::byte{0};
     if (f.hdr.type == proto::msg::rtr) attach_receive(f);
     f.where = in_tx;
     tx_.push_back(&f);
@@ -481,6 +537,14 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     }
     f.where = nowhere;
     f.queued = false;
+    if (f.encoded[0] == std::byte{1}) {
+      // Registered for a request that never went out: the peer never saw the key.
+      auto g = std::find_if(grants_.begin(), grants_.end(), [&](const grant& x) { return x.f == &f; });
+      if (g != grants_.end()) {
+        release_lease(g->lease, g->addr, g->len, g->kind == grant_kind::put ? read_cache() : recv_cache());
+        grants_.erase(g);
+      }
+    }
     return true;
   }
 
@@ -491,6 +555,17 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   bool link_abort_target() noexcept override {
+    if (rd_.active) {
+      // A READ into the destination may be in flight: the memory is free
+      // when it has completed (on_target_released).
+      if (rd_.posted) {
+        rd_.aborted = true;
+        return false;
+      }
+      end_read();
+      kick();  // parsing goes on from the loop
+      return true;
+    }
     // Placement is a memcpy per buffer: between buffers nothing touches the
     // destination. The rest of the payload is dropped.
     if (cont_.active) {
@@ -523,17 +598,20 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         drop(*f);
       }
     }
-    // Receives the peer was to write into: the queue pair is in error, so
-    // their memory is free again. An rtr still being sent comes back flushed.
-    for (auto it = rx_writes_.begin(); it != rx_writes_.end();) {
-      if (it->rtr_done) {
-        drop(*it->rtr);
-        it = rx_writes_.erase(it);
+    // Memory the peer was to write into or read from: the queue pair is in
+    // error, so it is free again. A frame still being sent comes back
+    // flushed (tx_done); one already sent is handed back here.
+    for (auto it = grants_.begin(); it != grants_.end();) {
+      if (it->sent) {
+        drop(*it->f);
+        it = grants_.erase(it);
       } else {
         it->lease.release();
         ++it;
       }
     }
+    // A READ in flight comes back flushed; one waiting for a slot never goes.
+    if (rd_.active && !rd_.posted) end_read();
     if (cm_watch_in_flight_) sched().cancel(&cm_watch_);
     backlog_head_ = backlog_tail_;  // nothing more is parsed
     cont_ = {};
@@ -644,7 +722,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   /// Hands the consumed buffers to the engine, in order, until it pauses.
   void parse() noexcept {
-    while (!paused_ && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
+    while (!paused_ && !rd_.active && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
       const rx_item& it = backlog_[backlog_head_ % rx_n_];
       bool done = it.is_imm ? rx_write_arrived(it) : rx_buffer(it);
       if (!done) return;
@@ -680,12 +758,30 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     proto::header h;
     if (!decode(w, options().max_message, h)) return protocol_fail();
     if (avail > h.length) return protocol_fail();
-    if (h.type == proto::msg::rtr && w.rkey != 0) remember_remote(h.addr, w.raddr, w.rkey);
+    // A put whose request names its source: the payload is read from there.
+    bool by_read = h.type == proto::msg::put_request && w.rkey != 0;
+    if (by_read && avail != 0) return protocol_fail();
+    // Where bytes go, before the engine sees the header: it may answer at once.
+    if (h.type == proto::msg::rtr && w.rkey != 0) remember_remote(false, h.addr, w.raddr, w.rkey);
+    if (h.type == proto::msg::get_request && w.rkey != 0) remember_remote(true, h.id, w.raddr, w.rkey);
+    // The answer to a put this side's peer read: the put's path.
+    bool answers_grant = h.type == proto::msg::put_ack || h.type == proto::msg::get_reply;
+    if (h.type == proto::msg::put_ack && find_grant(grant_kind::put, h.id) != grants_.end())
+      tx_path_ = transfer_path::host_zero_copy;
     proto::rx_plan plan = on_header(h);
     switch (plan.act) {
       case proto::rx_plan::action::pause: paused_ = true; return false;
       case proto::rx_plan::action::fail: return protocol_fail();
       case proto::rx_plan::action::place: break;
+    }
+    if (answers_grant) settle(h.type == proto::msg::put_ack ? grant_kind::put : grant_kind::get, h.id);
+    if (by_read) {
+      if (plan.want == 0) {
+        on_placed(false);  // refused, or empty: nothing to read
+        return !failed();
+      }
+      start_read(plan.dst, plan.want, w.raddr, w.rkey);
+      return !failed();
     }
     std::size_t take = std::min(avail, plan.want);
     if (take != 0) std::memcpy(plan.dst, payload, take);
@@ -706,52 +802,73 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     return !failed();
   }
 
-  /// A WRITE_WITH_IMM: the rendezvous payload of the rtr with token `imm`
-  /// is in place.
+  /// A WRITE_WITH_IMM: the rendezvous payload of the rtr, or the reply to
+  /// the get, that `imm` names is in place.
   bool rx_write_arrived(const rx_item& it) noexcept {
-    auto w = std::find_if(rx_writes_.begin(), rx_writes_.end(),
-                          [&](const rx_write& x) { return static_cast<std::uint32_t>(x.token) == it.imm; });
-    if (w == rx_writes_.end()) return protocol_fail();
+    bool get = (it.imm & 0x80000000u) != 0;
+    grant_kind kind = get ? grant_kind::get : grant_kind::recv;
+    auto w = std::find_if(grants_.begin(), grants_.end(),
+                          [&](const grant& x) { return x.kind == kind && imm_of(get, x.token) == it.imm; });
+    if (w == grants_.end()) return protocol_fail();
     proto::header h;
-    h.type = proto::msg::data;
-    h.flags = proto::flag::last;  // the whole of what the rtr accepted, at offset 0
+    if (get) {
+      h.type = proto::msg::get_reply;  // the whole of what the get asked for
+      h.st = proto::status::ok;
+      h.id = w->token;
+    } else {
+      h.type = proto::msg::data;
+      h.flags = proto::flag::last;  // the whole of what the rtr accepted, at offset 0
+      h.addr = w->token;
+    }
     h.length = w->len;
-    h.addr = w->token;
     proto::rx_plan plan = on_header(h);
     if (plan.act == proto::rx_plan::action::pause) {
       paused_ = true;
       return false;
     }
     if (plan.act == proto::rx_plan::action::fail) return protocol_fail();
-    // The engine places a rendezvous payload where its receive's view is:
-    // where the peer wrote it. A dropped one (cancelled receive) has no dst.
-    if (plan.want != 0 && plan.dst != w->dst) std::memmove(plan.dst, w->dst, plan.want);
+    // The engine places the bytes where the receive's (the get's) view is:
+    // where the peer wrote them. A dropped one (cancelled receive) has no dst.
+    if (plan.want != 0 && plan.dst != w->addr) std::memmove(plan.dst, w->addr, plan.want);
     ++stats_.rdma_received;
-    w->data_done = true;
+    w->done = true;
     on_placed(true);
-    finish_rx_write(w);
+    finish_grant(w);
     return !failed();
   }
 
-  /// Ends a rendezvous receive's registration once both its rtr's SEND
-  /// and the data are done.
-  void finish_rx_write(std::vector<rx_write>::iterator w) noexcept {
-    if (!w->rtr_done || !w->data_done) return;
-    frame* rtr = w->rtr;
-    release_lease(w->lease, w->dst, w->len, recv_cache());
-    rx_writes_.erase(w);
-    on_sent(*rtr, {});
+  std::vector<grant>::iterator find_grant(grant_kind kind, std::uint64_t token) noexcept {
+    return std::find_if(grants_.begin(), grants_.end(),
+                        [&](const grant& g) { return g.kind == kind && g.token == token; });
   }
 
-  void remember_remote(std::uint64_t token, std::uint64_t raddr, std::uint32_t rkey) noexcept {
+  /// The peer answered the put or get `id`: it no longer touches the memory.
+  void settle(grant_kind kind, std::uint64_t id) noexcept {
+    auto g = find_grant(kind, id);
+    if (g == grants_.end()) return;
+    g->done = true;
+    finish_grant(g);
+  }
+
+  /// Ends a grant once both its frame's SEND and the peer's access are
+  /// done: the registration goes, the frame comes back to the engine.
+  void finish_grant(std::vector<grant>::iterator g) noexcept {
+    if (!g->sent || !g->done) return;
+    frame* f = g->f;
+    release_lease(g->lease, g->addr, g->len, g->kind == grant_kind::put ? read_cache() : recv_cache());
+    grants_.erase(g);
+    on_sent(*f, {});
+  }
+
+  void remember_remote(bool get_reply, std::uint64_t token, std::uint64_t raddr, std::uint32_t rkey) noexcept {
     for (auto& r : remotes_)
-      if (r.token == token) {
+      if (r.get_reply == get_reply && r.token == token) {
         r.raddr = raddr;
         r.rkey = rkey;
         return;
       }
     try {
-      remotes_.push_back({token, raddr, rkey});
+      remotes_.push_back({get_reply, token, raddr, rkey});
     } catch (...) {
       // Without the key the data goes as SENDs.
     }
@@ -759,29 +876,57 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   /// An rtr about to go out: register the receive's view and send its key.
   void attach_receive(frame& f) noexcept {
-    f.encoded[0] = std::byte{0};
+    f.encoded[0] = std::byte{2};
     // A receive into staged (Device) memory asks for segments no larger than
     // its bounce buffers (`key`): those come as SENDs into the bounce
     // buffers, never by RDMA into the device pointer.
     if (f.owner == nullptr || f.hdr.size == 0 || f.hdr.key != 0) return;
     std::byte* dst = f.owner->buffer_data();
     auto len = static_cast<std::size_t>(f.hdr.size);
-    auto l = recv_cache().acquire(dst, len);
+    add_grant(f, grant_kind::recv, f.hdr.addr, dst, len);
+  }
+
+  /// A put or get request about to go out for the first time: if its bytes
+  /// do not fit one SEND, register the initiator's memory and send its key,
+  /// so that the target's NIC moves them (READ of a put's source, WRITE of
+  /// a get's reply) and no CPU copies them on either side. Only an
+  /// operation of its own (not a staged segment) on host memory; the frame
+  /// is then held until the answer has come.
+  void attach_request(frame& f) noexcept {
+    f.encoded[0] = std::byte{2};
+    if (f.owner == nullptr || f.sslot != nullptr || f.slot != nullptr) return;
+    bool put = f.hdr.type == proto::msg::put_request;
+    auto len = static_cast<std::size_t>(put ? f.hdr.length : f.hdr.size);
+    if (len <= frag_ - wire_size) return;
+    const std::byte* addr = put ? f.payload : f.owner->buffer_data();
+    add_grant(f, put ? grant_kind::put : grant_kind::get, f.hdr.id, addr, len);
+  }
+
+  void add_grant(frame& f, grant_kind kind, std::uint64_t token, const std::byte* addr, std::size_t len) noexcept {
+    auto l = (kind == grant_kind::put ? read_cache() : recv_cache()).acquire(addr, len);
     if (!l) {
       ++stats_.registration_failures;
       return;
     }
     ++stats_.registrations;
     try {
-      rx_writes_.push_back({f.hdr.addr, dst, len, std::move(*l), &f, false, false});
+      grants_.push_back({kind, token, addr, len, std::move(*l), &f, false, false});
     } catch (...) {
       return;
     }
-    f.encoded[0] = std::byte{1};  // this rtr carries a key
+    f.encoded[0] = std::byte{1};  // this frame carries a key
+  }
+
+  /// The payload bytes a frame's SENDs carry: none for a put whose target
+  /// reads them.
+  static std::size_t sent_bytes(const frame& f) noexcept {
+    bool read = f.hdr.type == proto::msg::put_request && f.encoded[0] == std::byte{1};
+    return read ? 0 : static_cast<std::size_t>(f.hdr.length);
   }
 
   gdr::verbs::mr_cache& recv_cache() noexcept { return *dq_->recv_mrs; }
   gdr::verbs::mr_cache& send_cache() noexcept { return *dq_->send_mrs; }
+  gdr::verbs::mr_cache& read_cache() noexcept { return *dq_->read_mrs; }
 
   void release_lease(gdr::verbs::mr_cache::lease& l, const void* addr, std::size_t len,
                      gdr::verbs::mr_cache& cache) noexcept {
@@ -810,6 +955,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     t->f = nullptr;
     t->keepalive = false;
     t->rdma = false;
+    t->read = false;
+    t->read_bytes = 0;
     t->covered = 1;
     t->next_free = free_tx_;
     free_tx_ = t;
@@ -819,6 +966,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// Posts what resources allow, in order.
   void pump_tx() noexcept {
     if (!established_ || shut_) return;
+    if (rd_.active && !rd_.posted) post_read();
     while (frame* f = tx_.head) {
       if (shut_ || !post_frame(*f)) break;
       tx_.erase(f);
@@ -829,24 +977,57 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   /// Posts (the rest of) `f`. True when all of it is posted.
   bool post_frame(frame& f) noexcept {
-    if (f.hdr.type == proto::msg::data && !f.sealed) {
-      auto r = std::find_if(remotes_.begin(), remotes_.end(), [&](const remote_dst& x) { return x.token == f.hdr.addr; });
-      if (r != remotes_.end()) {
-        int res = post_rdma(f, *r);
-        if (res > 0) {
-          if (f.hdr.flags & proto::flag::last) remotes_.erase(r);  // segments before the last keep it
-          return true;
+    if (!f.sealed) {
+      switch (f.hdr.type) {
+        case proto::msg::data: {
+          auto r = find_remote(false, f.hdr.addr);
+          if (r == remotes_.end()) break;
+          // A segment (a staged sender's chunk) lands at its offset; only
+          // the message's last one carries the immediate.
+          bool last = (f.hdr.flags & proto::flag::last) != 0;
+          int res = post_rdma(f, *r, f.hdr.size, imm_of(false, f.hdr.addr), last);
+          if (res > 0) {
+            if (last) remotes_.erase(r);  // segments before the last keep it
+            return true;
+          }
+          if (res == 0) return false;  // waits for resources
+          remotes_.erase(r);            // could not register: SENDs instead
+          break;
         }
-        if (res == 0) return false;  // waits for resources
-        remotes_.erase(r);            // could not register: SENDs instead
+        case proto::msg::get_reply: {
+          auto r = find_remote(true, f.hdr.id);
+          if (r == remotes_.end()) break;
+          if (f.hdr.st == proto::status::ok && f.hdr.length != 0) {
+            // Straight from the exposed memory into the get's destination;
+            // the immediate is the answer.
+            int res = post_rdma(f, *r, 0, imm_of(true, f.hdr.id), true);
+            if (res == 0) return false;
+            remotes_.erase(r);
+            if (res > 0) return true;
+            break;  // could not register: the reply goes as SENDs
+          }
+          remotes_.erase(r);  // a refusal: the answer goes as a SEND
+          break;
+        }
+        case proto::msg::put_request:
+        case proto::msg::get_request:
+          if (f.encoded[0] == std::byte{0}) attach_request(f);
+          break;
+        default: break;
       }
     }
     return post_sends(f);
   }
 
-  /// The rendezvous payload of `f` by RDMA WRITE. 1: posted; 0: no
-  /// resources yet; -1: its buffer cannot be registered.
-  int post_rdma(frame& f, const remote_dst& r) noexcept {
+  std::vector<remote_dst>::iterator find_remote(bool get_reply, std::uint64_t token) noexcept {
+    return std::find_if(remotes_.begin(), remotes_.end(),
+                        [&](const remote_dst& x) { return x.get_reply == get_reply && x.token == token; });
+  }
+
+  /// The payload of `f` by RDMA WRITE to `r`'s buffer at `offset`, the last
+  /// request WITH_IMM `imm` if `tell`. 1: posted; 0: no resources yet; -1:
+  /// its buffer cannot be registered.
+  int post_rdma(frame& f, const remote_dst& r, std::uint64_t offset, std::uint32_t imm, bool tell_at_end) noexcept {
     auto len = static_cast<std::size_t>(f.hdr.length);
     std::size_t chunk = std::max(write_chunk, (len + max_write_wrs - 1) / max_write_wrs);
     int nwr = static_cast<int>((len + chunk - 1) / chunk);
@@ -874,16 +1055,14 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       wr = {};
       wr.sg_list = &sges[i];
       wr.num_sge = 1;
-      // A segment (a staged sender's chunk) lands at its offset; only the
-      // message's last one carries the immediate that tells the receiver.
-      wr.wr.rdma.remote_addr = r.raddr + f.hdr.size + off;
+      wr.wr.rdma.remote_addr = r.raddr + offset + off;
       wr.wr.rdma.rkey = r.rkey;
       bool last = i + 1 == nwr;
-      bool tell = last && (f.hdr.flags & proto::flag::last) != 0;
+      bool tell = last && tell_at_end;
       wr.opcode = tell ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
       wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
       wr.wr_id = last ? t->wr_id() : gdr::verbs::unsignaled_work()->wr_id();
-      if (tell) wr.imm_data = static_cast<std::uint32_t>(f.hdr.addr);
+      if (tell) wr.imm_data = imm;
       wr.next = last ? nullptr : &wrs[i + 1];
     }
     t->f = &f;
@@ -920,7 +1099,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   /// The frame (or its rest) as SENDs through the bounce buffers.
   bool post_sends(frame& f) noexcept {
-    auto len = static_cast<std::size_t>(f.hdr.length);
+    std::size_t len = sent_bytes(f);
     const std::size_t room = frag_ - wire_size;
     for (;;) {
       bool first = !f.sealed;
@@ -945,11 +1124,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         w.id = f.hdr.id;
         w.addr = f.hdr.addr;
         w.key = f.hdr.key;
-        if (f.hdr.type == proto::msg::rtr && f.encoded[0] == std::byte{1}) {
-          for (auto& x : rx_writes_)
-            if (x.rtr == &f) {
-              w.raddr = reinterpret_cast<std::uintptr_t>(x.dst);
-              w.rkey = x.lease.handle()->rkey;
+        if (f.encoded[0] == std::byte{1}) {
+          for (auto& g : grants_)
+            if (g.f == &f) {
+              w.raddr = reinterpret_cast<std::uintptr_t>(g.addr);
+              w.rkey = g.lease.handle()->rkey;
             }
         }
       }
@@ -1037,6 +1216,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     last_activity_ = std::chrono::steady_clock::now();
     frame* f = t.f;
     bool rdma = t.rdma;
+    bool read = t.read;
+    std::size_t read_bytes = t.read_bytes;
+    if (read && wc.status == IBV_WC_SUCCESS && !rd_.lease && rd_.active)
+      std::memcpy(rd_.dst + rd_.done, t.buf, read_bytes);  // read through the slot
     release_lease(t.lease, t.lease_addr, t.lease_len, send_cache());
     free_tx(&t);
     std::error_code ec;
@@ -1044,19 +1227,20 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (!failed()) fail_wc(wc);
       ec = error();
     }
+    if (read) read_done(read_bytes, ec);
     if (f != nullptr) {
       if (f->where == in_posted) f->where = nowhere;
-      if (f->hdr.type == proto::msg::rtr) {
-        auto x = std::find_if(rx_writes_.begin(), rx_writes_.end(), [&](const rx_write& r) { return r.rtr == f; });
-        if (x != rx_writes_.end()) {
+      if (f->encoded[0] == std::byte{1}) {
+        auto g = std::find_if(grants_.begin(), grants_.end(), [&](const grant& x) { return x.f == f; });
+        if (g != grants_.end()) {
           if (!ec && !shut_) {
-            // Held until the peer's data is in (see the file comment).
-            x->rtr_done = true;
-            finish_rx_write(x);
+            // Held until the peer is done with the memory (see the file comment).
+            g->sent = true;
+            finish_grant(g);
             pump_tx();
             return;
           }
-          rx_writes_.erase(x);  // the queue pair is in error: nothing writes into it any more
+          grants_.erase(g);  // the queue pair is in error: the peer's NIC no longer reaches it
           if (!ec) ec = error() ? error() : std::error_code(errc::connection_lost);
         }
       }
@@ -1064,6 +1248,100 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       on_sent(*f, ec);
     }
     pump_tx();
+  }
+
+  // ---------------------------------------------------------------- serving a put by RDMA READ
+
+  /// The put being served reads its payload (`len` bytes from the peer's
+  /// `raddr`) into `dst`: straight into it if it can be registered, else
+  /// through a send slot, one buffer at a time.
+  void start_read(std::byte* dst, std::size_t len, std::uint64_t raddr, std::uint32_t rkey) noexcept {
+    rd_.active = true;
+    rd_.posted = rd_.aborted = false;
+    rd_.dst = dst;
+    rd_.len = len;
+    rd_.done = 0;
+    rd_.raddr = raddr;
+    rd_.rkey = rkey;
+    if (auto l = recv_cache().acquire(dst, len)) {
+      ++stats_.registrations;
+      rd_.lease = std::move(*l);
+    } else {
+      ++stats_.registration_failures;
+    }
+    post_read();
+  }
+
+  /// Posts the next READ of the put being served, if resources allow (else
+  /// pump_tx tries again when a send slot comes back). READs take no credit:
+  /// they consume no receive buffer of the peer's.
+  void post_read() noexcept {
+    if (!rd_.active || rd_.posted || rd_.aborted || shut_ || failed()) return;
+    bool direct = static_cast<bool>(rd_.lease);
+    std::size_t n = direct ? rd_.len - rd_.done : std::min(rd_.len - rd_.done, buf_);
+    std::size_t chunk = direct ? std::max(write_chunk, (n + max_write_wrs - 1) / max_write_wrs) : n;
+    int nwr = static_cast<int>((n + chunk - 1) / chunk);
+    if (free_tx_ == nullptr || sq_used_ + nwr > sq_depth_) return;
+    tx_slot* t = take_tx();
+    ibv_send_wr wrs[max_write_wrs];
+    ibv_sge sges[max_write_wrs];
+    for (int i = 0; i < nwr; ++i) {
+      std::size_t off = static_cast<std::size_t>(i) * chunk;
+      sges[i] = {};
+      sges[i].addr = reinterpret_cast<std::uintptr_t>(direct ? rd_.dst + rd_.done + off : t->buf + off);
+      sges[i].length = static_cast<std::uint32_t>(std::min(chunk, n - off));
+      sges[i].lkey = direct ? rd_.lease.handle()->lkey : tx_mr_.lkey();
+      ibv_send_wr& wr = wrs[i];
+      wr = {};
+      wr.sg_list = &sges[i];
+      wr.num_sge = 1;
+      wr.opcode = IBV_WR_RDMA_READ;
+      wr.wr.rdma.remote_addr = rd_.raddr + rd_.done + off;
+      wr.wr.rdma.rkey = rd_.rkey;
+      bool last = i + 1 == nwr;
+      wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
+      wr.wr_id = last ? t->wr_id() : gdr::verbs::unsignaled_work()->wr_id();
+      wr.next = last ? nullptr : &wrs[i + 1];
+    }
+    t->read = true;
+    t->read_bytes = n;
+    t->covered = static_cast<std::uint32_t>(nwr);
+    if (!post_send_wrs(wrs, nwr, t)) return;  // failed: the connection fails, end_read follows
+    rd_.posted = true;
+    stats_.read_wrs += static_cast<std::uint64_t>(nwr);
+  }
+
+  /// A READ of `n` bytes completed (or failed: `ec`).
+  void read_done(std::size_t n, std::error_code ec) noexcept {
+    if (!rd_.active) return;
+    rd_.posted = false;
+    if (ec) {
+      // The connection failed: the engine has stopped the placement and
+      // waits for its memory, free now that the READ has come back.
+      bool aborted = rd_.aborted;
+      end_read();
+      if (aborted) on_target_released();
+      return;
+    }
+    rd_.done += n;
+    if (rd_.done < rd_.len && !rd_.aborted) {
+      post_read();
+      return;
+    }
+    bool aborted = rd_.aborted;
+    end_read();
+    if (aborted) {
+      on_target_released();
+    } else {
+      ++stats_.rdma_read;
+      on_placed(true);
+    }
+    parse();  // the frames behind it
+  }
+
+  void end_read() noexcept {
+    release_lease(rd_.lease, rd_.dst, rd_.len, recv_cache());
+    rd_ = pending_read{};
   }
 
   // ---------------------------------------------------------------- keepalive
@@ -1170,7 +1448,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       f->where = nowhere;
       c->on_sent(*f, c->error() ? c->error() : std::error_code(errc::connection_lost));
     }
-    if (!c->failed() && c->paused_) {
+    // Paused by the engine, or by a READ that ended without its completion
+    // (an aborted placement): go on with the frames behind.
+    if (!c->failed() && (c->paused_ || c->backlog_head_ != c->backlog_tail_)) {
       c->paused_ = false;
       c->parse();
       c->pump_tx();
@@ -1236,8 +1516,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint64_t remaining = 0;
     bool notified = false;
   } cont_;
-  std::vector<rx_write> rx_writes_;
+  std::vector<grant> grants_;
   std::vector<remote_dst> remotes_;
+  pending_read rd_{};
 
   // send side
   proto::fifo<frame, &frame::prev, &frame::next> tx_{};

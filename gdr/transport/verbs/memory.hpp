@@ -16,6 +16,12 @@
 ///   touch it (the receiver's lease ends when the sender's WRITE_WITH_IMM
 ///   has arrived, or when the connection has failed and its queue pair has
 ///   flushed).
+/// * A put or get larger than one SEND buffer registers the initiator's
+///   memory before its request goes out (the request carries the address
+///   and key): a put's source for the target's RDMA READ, a get's
+///   destination for the target's RDMA WRITE. The lease lasts until the
+///   answer has come back. The target registers its side (the exposed
+///   memory) for the duration of its READ or WRITE.
 /// * By default an operation's registration is dropped when it completes
 ///   (`endpoint_options::cache_registrations` = false): the cache cannot see
 ///   `free`, and a cached registration of freed and reused addresses pins the
@@ -67,6 +73,9 @@ inline constexpr int remote_write_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_R
 /// Access flags of memory the NIC only reads (RDMA WRITE sources). No
 /// LOCAL_WRITE: a send may come from read-only pages.
 inline constexpr int local_read_access = 0;
+/// Access flags of memory a peer reads (the source of a put, which the
+/// target's NIC reads with RDMA READ). No LOCAL_WRITE either.
+inline constexpr int remote_read_access = IBV_ACCESS_REMOTE_READ;
 
 /// One owned registration of memory the transport allocated itself.
 class owned_mr {
