@@ -256,6 +256,32 @@ TEST_CASE("a large get stopped after its request went out returns only when noth
   });
 }
 
+TEST_CASE("cached registrations stay for the next transfer until the program invalidates them") {
+  REQUIRE_VERBS();
+  gdr::verbs::endpoint_options o;
+  o.cache_registrations = true;
+  with_pair(
+      [](auto& a, auto& b) -> gdr::task<> {
+        const std::size_t n = 1 << 20;
+        std::vector<std::byte> target(n);
+        auto reg = gdr::register_memory(gdr::host_view(target));
+        auto rv = reg.describe(0);
+        auto src = pattern(n, 11);
+        CHECK(co_await a.put(cbytes_of(src), rv) == n);
+        CHECK(co_await a.put(cbytes_of(src), rv) == n);  // the same registrations again
+        CHECK(target == src);
+        // The source (put: readable by the peer) and the exposed window
+        // (the target's READ destination) are cached, once each.
+        CHECK(a.invalidate_registrations(src.data(), n) == 1);
+        CHECK(b.invalidate_registrations(target.data(), n) == 1);
+        CHECK(a.invalidate_registrations(src.data(), n) == 0);  // gone
+        CHECK(co_await a.put(cbytes_of(src), rv) == n);          // registered anew
+        CHECK(a.invalidate_registrations(src.data(), n) == 1);
+        co_await a.close();
+      },
+      o, o);
+}
+
 TEST_CASE("revoking a registration waits for the peer's access in flight, then refuses") {
   REQUIRE_VERBS();
   with_pair([](auto& a, auto& b) -> gdr::task<> {

@@ -316,6 +316,13 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
+  /// Forgets the cached registrations overlapping the range (all three
+  /// caches of this connection's device); one a transfer still uses goes
+  /// when that transfer ends. Returns how many were dropped.
+  std::size_t invalidate_registrations(const void* addr, std::size_t len) noexcept {
+    if (dq_ == nullptr) return 0;
+    return recv_cache().invalidate(addr, len) + send_cache().invalidate(addr, len) + read_cache().invalidate(addr, len);
+  }
   rdma_cm_id* cm_id() const noexcept { return id_; }
   const endpoint_stats& stats() const noexcept { return stats_; }
   /// Inline bytes the queue pair accepts.

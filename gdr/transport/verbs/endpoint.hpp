@@ -90,6 +90,15 @@ class endpoint : public basic_endpoint<transport> {
   std::string device_name() const { return conn() != nullptr ? conn()->device_name() : std::string(); }
   /// Inline bytes its queue pair accepts (smaller SENDs go inline).
   unsigned max_inline() const noexcept { return conn() != nullptr ? conn()->max_inline() : 0; }
+  /// With `endpoint_options::cache_registrations`: forget the NIC
+  /// registrations of a buffer before freeing or unmapping it (the cache
+  /// cannot see `free`, and a registration outliving its memory pins the
+  /// old pages). A registration a transfer still uses goes when that
+  /// transfer ends. Returns how many were dropped. Other endpoints on the
+  /// same device and scheduler share the caches.
+  std::size_t invalidate_registrations(const void* addr, std::size_t len) noexcept {
+    return conn() != nullptr ? conn()->invalidate_registrations(addr, len) : 0;
+  }
   /// The queue pair, for diagnostics and fault injection in tests.
   ibv_qp* native_qp() const noexcept { return conn() != nullptr ? conn()->qp() : nullptr; }
 

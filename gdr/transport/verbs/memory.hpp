@@ -26,8 +26,9 @@
 ///   (`endpoint_options::cache_registrations` = false): the cache cannot see
 ///   `free`, and a cached registration of freed and reused addresses pins the
 ///   old pages (`gdr/memory/registration_cache.hpp`, "Stale entries"). With
-///   it on, registrations stay cached and the program must call
-///   `invalidate_registrations(addr, len)` before freeing registered buffers.
+///   it on, registrations stay cached and the program must call the
+///   endpoint's `invalidate_registrations(addr, len)` before freeing
+///   registered buffers.
 ///
 /// A failed registration is not an error: the transfer goes through the
 /// bounce buffers instead, and its path says so (`transfer_path::host_eager`).
