@@ -271,6 +271,10 @@ TEST_CASE("close right after a burst of unsignaled sends delivers all of it and 
         const int n = 300;
         std::vector<std::vector<std::byte>> out;
         for (int i = 0; i < n; ++i) out.push_back(pattern(i % 2 == 0 ? 20 : 5000, static_cast<std::uint32_t>(i)));
+        // The last ones in many SENDs each: still on their way when the
+        // close is posted (if it ended at post, the queue pair would be
+        // shut down under them).
+        for (int i = 0; i < 4; ++i) out.push_back(pattern(240 * 1024, static_cast<std::uint32_t>(n + i)));
         int wrong = 0;
         gdr::op_report closed, after;
         auto t0 = std::chrono::steady_clock::now();
@@ -281,7 +285,7 @@ TEST_CASE("close right after a burst of unsignaled sends delivers all of it and 
               co_return 0;
             }(),
             [&]() -> gdr::task<int> {
-              std::vector<std::byte> in(8192);
+              std::vector<std::byte> in(256 * 1024);
               for (const auto& m : out) {
                 std::size_t got = co_await b.recv(bytes_of(in));
                 if (got != m.size() || !std::equal(m.begin(), m.end(), in.begin())) ++wrong;
