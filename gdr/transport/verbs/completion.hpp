@@ -215,12 +215,16 @@ class cq_poller final : public poller {
   poll_status poll() noexcept override {
     bool did = false;
     for (std::size_t i = 0; i < devices_.size(); ++i) did |= poll_one(*devices_[i]);
-    poll_async();
+    const bool busy_mode = sched_->mode() == run_mode::busy_poll;
+    poll_async(busy_mode);
     if (did) {
-      last_work_ = std::chrono::steady_clock::now();
+      // The spin window is for sleep mode only: a busy loop never sleeps,
+      // and reading the clock on every completion is not free (a system
+      // call where the clock source has no vDSO, as in emulators).
+      if (!busy_mode) last_work_ = std::chrono::steady_clock::now();
       return {.did_work = true, .sleep_bound = std::chrono::nanoseconds::zero()};
     }
-    if (sched_->mode() == run_mode::busy_poll || retiring_) return {};
+    if (busy_mode || retiring_) return {};
     // Send work in flight: completions are due within microseconds; spin a
     // little before paying a sleep and a wake-up.
     if (busy_ > 0 && std::chrono::steady_clock::now() - last_work_ < spin_window) {
@@ -371,7 +375,12 @@ class cq_poller final : public poller {
     if (self->retiring_) self->maybe_free();
   }
 
-  void poll_async() noexcept {
+  void poll_async(bool busy_mode) noexcept {
+    // A busy loop turns over every microsecond or so: look at the clock
+    // only every so many turns. A sleeping loop wakes at least every
+    // async_interval, and looks every time.
+    if (busy_mode && ++async_turns_ < async_stride) return;
+    async_turns_ = 0;
     auto now = std::chrono::steady_clock::now();
     if (now - last_async_ < async_interval) return;
     last_async_ = now;
@@ -440,6 +449,8 @@ class cq_poller final : public poller {
   retire_work retire_node_{};
   std::chrono::steady_clock::time_point last_work_{};
   std::chrono::steady_clock::time_point last_async_{};
+  static constexpr unsigned async_stride = 64;
+  unsigned async_turns_ = 0;
   cq_poller_stats stats_{};
 };
 

@@ -322,7 +322,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     enter();
     start_protocol();
     arm_cm_watch();
-    last_activity_ = std::chrono::steady_clock::now();
+    ++activity_;
     leave();
   }
 
@@ -729,7 +729,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void rx_done(rx_slot& slot, const ibv_wc& wc) noexcept {
     --rx_outstanding_;
     ++stats_.completions;
-    last_activity_ = std::chrono::steady_clock::now();
+    ++activity_;
     if (wc.status != IBV_WC_SUCCESS) {
       if (!failed()) fail_wc(wc);
       return;
@@ -1208,7 +1208,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       return false;
     }
     sq_used_ += n;
-    last_activity_ = std::chrono::steady_clock::now();
+    ++activity_;
     if (!signaled) {
       unsignaled_wrs_ += n;
       if ((last.send_flags & IBV_SEND_INLINE) != 0 && last.opcode == IBV_WR_SEND) {
@@ -1358,7 +1358,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     ++stats_.completions;
     sq_used_ -= static_cast<int>(t.covered);
     if (--busy_noted_ == 0) poller_->note_busy(-1);
-    last_activity_ = std::chrono::steady_clock::now();
+    ++activity_;
     // Frames copied before this request are sent: they go back before the
     // frame this completion ends (a close among them fails the rest).
     if (wc.status == IBV_WC_SUCCESS) hand_back_copied();
@@ -1501,7 +1501,16 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// interval while operations are pending (called by the endpoint's timer).
   void keepalive_tick() noexcept {
     if (!established_ || shut_ || failed() || vopts_.keepalive.count() == 0) return;
-    if (std::chrono::steady_clock::now() - last_activity_ < vopts_.keepalive) return;
+    // Called every ~100 ms (the poller's tick): activity since the last
+    // tick restarts the idle time; reading the clock per completion would
+    // cost more than the whole keepalive.
+    auto now = std::chrono::steady_clock::now();
+    if (activity_ != tick_activity_) {
+      tick_activity_ = activity_;
+      last_activity_ = now;
+      return;
+    }
+    if (now - last_activity_ < vopts_.keepalive) return;
     if (free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
     tx_slot* t = take_tx();
     t->keepalive = true;
@@ -1633,7 +1642,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   bool paused_ = false;
   bool peer_gone_ = false;
   transfer_path tx_path_ = transfer_path::host_eager;
-  std::chrono::steady_clock::time_point last_activity_{};
+  std::chrono::steady_clock::time_point last_activity_{};  // when a tick last saw activity
+  std::uint64_t activity_ = 0;       // completions and posts so far
+  std::uint64_t tick_activity_ = 0;  // ... as the last tick saw them
   int busy_noted_ = 0;
 
   // buffers
