@@ -256,6 +256,60 @@ TEST_CASE("a large get stopped after its request went out returns only when noth
   });
 }
 
+TEST_CASE("buffers over the registration limit go through the bounce buffers, every path, every byte") {
+  REQUIRE_VERBS();
+  // Only the target side limited: the initiator's memory is registered and
+  // its key sent, and the target reads the put through a send slot, buffer
+  // by buffer. Then both limited: nothing registered, everything as SENDs.
+  for (bool both : {false, true}) {
+    CAPTURE(both);
+    gdr::verbs::endpoint_options free_side, limited;
+    limited.registration_limit = 64 * 1024;
+    limited.protocol.rendezvous_threshold = 4096;
+    free_side.protocol.rendezvous_threshold = 4096;
+    with_pair(
+        [both](auto& a, auto& b) -> gdr::task<> {
+          const std::size_t n = (1 << 20) + 7;  // 32 buffers and a bit
+          std::vector<std::byte> target(n, std::byte{0});
+          auto reg = gdr::register_memory(gdr::host_view(target));
+          auto rv = reg.describe(0);
+          auto src = pattern(n, 21);
+          gdr::op_report p = co_await report_of(a.put(cbytes_of(src), rv));
+          CHECK(!p.error);
+          CHECK(target == src);
+          std::vector<std::byte> back(n);
+          gdr::op_report g = co_await report_of(a.get(bytes_of(back), rv));
+          CHECK(!g.error);
+          CHECK(back == src);
+          // A rendezvous message each way: the limited receive (b's) takes
+          // its data as SENDs.
+          std::vector<std::byte> in(n);
+          auto [s, r] = co_await gdr::when_all(report_of(a.send(cbytes_of(src))), report_of(b.recv(bytes_of(in))));
+          CHECK(!s.error);
+          CHECK(in == src);
+          CHECK(r.path == gdr::transfer_path::host_eager);
+          CHECK(b.stats().rdma_received == 0);
+          if (!both) {
+            // b could not register: the receive, the put's destination, the get's source.
+            CHECK(b.stats().registration_failures == 3);
+            CHECK(p.path == gdr::transfer_path::host_zero_copy);  // read by the target, through its slots
+            CHECK(b.stats().rdma_read == 1);
+            CHECK(b.stats().read_wrs >= 17);                      // one READ per 32 KiB buffer
+          } else {
+            CHECK(b.stats().registration_failures == 1);  // the receive: no key came to try the others
+            CHECK(a.stats().registration_failures == 2);  // the put's source, the get's destination
+            CHECK(p.path == gdr::transfer_path::host_eager);
+            CHECK(g.path == gdr::transfer_path::host_eager);
+            CHECK(a.stats().registrations == 0);
+            CHECK(b.stats().read_wrs == 0);
+            CHECK(b.stats().write_wrs == 0);
+          }
+          co_await a.close();
+        },
+        both ? limited : free_side, limited);
+  }
+}
+
 TEST_CASE("cached registrations stay for the next transfer until the program invalidates them") {
   REQUIRE_VERBS();
   gdr::verbs::endpoint_options o;

@@ -145,6 +145,11 @@ struct endpoint_options {
   /// Inline data asked for at queue pair creation (the device may give
   /// less; `connection::max_inline()` says what it gave). 0: never inline.
   unsigned max_inline = 220;
+  /// Users' buffers larger than this are not registered with the NIC (0:
+  /// no limit): their bytes go through the bounce buffers instead, and a
+  /// put served for a peer is read through a send slot. Bounds the memory
+  /// one transfer pins.
+  std::size_t registration_limit = 0;
   /// Keep registrations of users' buffers cached after their transfer
   /// (see `gdr/transport/verbs/memory.hpp`: then invalidate before freeing).
   bool cache_registrations = false;
@@ -945,7 +950,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   void add_grant(frame& f, grant_kind kind, std::uint64_t token, const std::byte* addr, std::size_t len) noexcept {
-    auto l = (kind == grant_kind::put ? read_cache() : recv_cache()).acquire(addr, len);
+    auto l = register_user(kind == grant_kind::put ? read_cache() : recv_cache(), addr, len);
     if (!l) {
       ++stats_.registration_failures;
       return;
@@ -964,6 +969,13 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   static std::size_t sent_bytes(const frame& f) noexcept {
     bool read = f.hdr.type == proto::msg::put_request && f.encoded[0] == std::byte{1};
     return read ? 0 : static_cast<std::size_t>(f.hdr.length);
+  }
+
+  /// A user's buffer registered (or found cached), within the limit.
+  result<gdr::verbs::mr_cache::lease> register_user(gdr::verbs::mr_cache& cache, const void* addr,
+                                                    std::size_t len) noexcept {
+    if (vopts_.registration_limit != 0 && len > vopts_.registration_limit) return errno_code(E2BIG);
+    return cache.acquire(addr, len);
   }
 
   gdr::verbs::mr_cache& recv_cache() noexcept { return *dq_->recv_mrs; }
@@ -1145,7 +1157,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (!credit_for(false)) ++stats_.credit_stalls;
       return 0;
     }
-    auto l = send_cache().acquire(f.payload, len);
+    auto l = register_user(send_cache(), f.payload, len);
     if (!l) {
       ++stats_.registration_failures;
       return -1;
@@ -1413,7 +1425,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     rd_.done = 0;
     rd_.raddr = raddr;
     rd_.rkey = rkey;
-    if (auto l = recv_cache().acquire(dst, len)) {
+    if (auto l = register_user(recv_cache(), dst, len)) {
       ++stats_.registrations;
       rd_.lease = std::move(*l);
     } else {

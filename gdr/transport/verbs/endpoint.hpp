@@ -14,10 +14,12 @@
 /// \endcode
 ///
 /// Paths (`last_path()`, `stats().by_path`): a rendezvous payload the NIC
-/// moved straight between the users' buffers (RDMA WRITE) is
-/// `transfer_path::host_zero_copy` on both sides; a message copied through
-/// the bounce buffers (eager messages, and rendezvous payloads whose
-/// receive could not be registered) is `host_eager`. `GDR_LOG=path` prints
+/// moved straight between the users' buffers (RDMA WRITE), and a put or get
+/// larger than one SEND buffer (the target's NIC reads the put's source with
+/// RDMA READ, or writes the get's reply with RDMA WRITE, after checking the
+/// access) is `transfer_path::host_zero_copy`; a message copied through the
+/// bounce buffers (eager messages, small puts and gets, and payloads whose
+/// memory could not be registered) is `host_eager`. `GDR_LOG=path` prints
 /// the path decided for every row at set-up; `gpudirect()` says what the
 /// GPUDirect probe found for an endpoint made with
 /// `endpoint_options::gpudirect`.
