@@ -1,6 +1,8 @@
 /// \file
 /// `gdr::bootstrap::connect_mesh`: one TCP endpoint to every other rank,
-/// built through a rendezvous (TCP or MPI).
+/// built through a rendezvous (TCP or MPI). The steps below are the same
+/// for every transport (`detail::build_mesh`); `gdr::verbs::connect_mesh`
+/// (`gdr/transport/verbs/mesh.hpp`) builds a mesh of verbs endpoints.
 ///
 /// \code
 ///   auto rv = gdr::bootstrap::tcp_rendezvous::from_env();
@@ -172,8 +174,31 @@ inline op_options timeout_options(std::chrono::milliseconds t) {
 /// Builds the mesh through `rv` (see the file comment). Collective: every
 /// rank calls it with the same `rv` world. Throws `gdr::error`
 /// (`errc::bootstrap_failed`).
+namespace detail {
+
+/// The address a rank listens on and publishes (see the file comment).
 template <rendezvous R>
-task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
+std::string listen_host(R& rv, const std::string& configured, bool one_host) {
+  std::string host = configured;
+  if (host.empty())
+    if (const char* env = std::getenv("GDR_MESH_HOST")) host = env;
+  if (host.empty()) host = rv.address_hint();
+  if (host.empty()) host = one_host ? "127.0.0.1" : gdr::detail::sock::first_external_ipv4();
+  if (host.empty()) host = "127.0.0.1";
+  return host;
+}
+
+/// Builds a mesh over the transport `net` stands for (the steps of the file
+/// comment). `Net` gives:
+///   * `std::string listen(const std::string& host)`: listens on `host`
+///     (any port); returns why it could not, or nothing;
+///   * `std::string published() const`: what other ranks connect to;
+///   * `task<result<E>> connect(const std::string& where, std::chrono::milliseconds)`
+///     and `task<result<E>> accept(std::chrono::milliseconds)`, `E` an
+///     endpoint of the transport (converts to `gdr::endpoint`);
+///   * `void close()`: stops listening.
+template <rendezvous R, class Net>
+task<mesh> build_mesh(R& rv, std::string configured_host, std::chrono::milliseconds timeout, Net& net) {
   const int me = rv.rank(), n = rv.size();
   // 1. Host names and the session id.
   std::uint64_t nonce = 0;
@@ -190,27 +215,10 @@ task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
   for (const auto& i : intros) one_host &= i.size() >= 8 && detail::string_of(i, 8) == host_name;
 
   // 2. Listen and publish.
-  std::string host = opts.listen_host;
-  if (host.empty())
-    if (const char* env = std::getenv("GDR_MESH_HOST")) host = env;
-  if (host.empty()) host = rv.address_hint();
-  if (host.empty()) host = one_host ? "127.0.0.1" : gdr::detail::sock::first_external_ipv4();
-  if (host.empty()) host = "127.0.0.1";
-  const bool v6 = host.find(':') != std::string::npos;
-  std::string failure;
-  std::optional<tcp::listener> listener;
-  if (result<tcp::address> at = tcp::address::parse((v6 ? "[" + host + "]" : host) + ":0"); !at) {
-    failure = "cannot listen on \"" + host + "\": not a numeric address";
-  } else {
-    try {
-      listener.emplace(sched, *at, *opts.registry, opts.endpoint);
-    } catch (const error& e) {
-      failure = std::string("cannot listen on ") + host + ": " + e.what();
-    }
-  }
+  std::string failure = net.listen(listen_host(rv, configured_host, one_host));
   // A rank that cannot listen publishes nothing; every rank then skips to
   // the final allgather, where the failure is reported to all.
-  auto addrs = rv.allgather(detail::bytes_of(listener ? listener->local_address().to_string() : std::string()));
+  auto addrs = rv.allgather(detail::bytes_of(failure.empty() ? net.published() : std::string()));
   for (int r = 0; r < n && failure.empty(); ++r)
     if (addrs[static_cast<std::size_t>(r)].empty()) failure = "rank " + std::to_string(r) + " could not listen";
 
@@ -227,14 +235,12 @@ task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
   const std::vector<std::byte> hello = hello_for(me);
   for (int j = me + 1; j < n && failure.empty(); ++j) {
     const std::string where = detail::string_of(addrs[static_cast<std::size_t>(j)]);
-    auto conn = tcp::connect(sched, where, detail::timeout_options(opts.timeout), *opts.registry, opts.endpoint);
-    result<tcp::endpoint> ep = co_await std::move(conn).as_result();
+    auto ep = co_await net.connect(where, timeout);
     if (!ep) {
       failure = "connecting to rank " + std::to_string(j) + " at " + where + ": " + ep.error().message();
       break;
     }
-    auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()),
-                         detail::timeout_options(opts.timeout));
+    auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()), detail::timeout_options(timeout));
     result<std::size_t> sent = co_await std::move(send).as_result();
     if (!sent) {
       failure = "greeting rank " + std::to_string(j) + " at " + where + ": " + sent.error().message();
@@ -244,17 +250,16 @@ task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
   }
 
   // 3b. Accept every lower rank; its hello says which one it is.
-  const auto deadline = std::chrono::steady_clock::now() + opts.timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   int missing = failure.empty() ? me : 0;
   while (missing > 0) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
-      failure = "waited " + std::to_string(opts.timeout.count()) + " ms for " + std::to_string(missing) +
+      failure = "waited " + std::to_string(timeout.count()) + " ms for " + std::to_string(missing) +
                 " lower ranks to connect";
       break;
     }
-    auto acc = listener->accept(detail::timeout_options(left));
-    result<tcp::endpoint> ep = co_await std::move(acc).as_result();
+    auto ep = co_await net.accept(left);
     if (!ep) {
       failure = "accepting: " + ep.error().message();
       break;
@@ -279,7 +284,7 @@ task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
     peers[r] = std::move(*ep);
     --missing;
   }
-  if (listener) listener->close();
+  net.close();
 
   // 4. Everyone's outcome, so that no rank waits on a peer that gave up.
   std::vector<std::byte> outcome = detail::bytes_of(failure);
@@ -305,6 +310,47 @@ task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
     detail::mesh_fail(me, report);
   }
   co_return m;
+}
+
+
+/// The TCP side of `build_mesh`.
+struct tcp_net {
+  scheduler* sched;
+  const mesh_options* opts;
+  std::optional<tcp::listener> listener{};
+
+  std::string listen(const std::string& host) {
+    const bool v6 = host.find(':') != std::string::npos;
+    result<tcp::address> at = tcp::address::parse((v6 ? "[" + host + "]" : host) + ":0");
+    if (!at) return "cannot listen on \"" + host + "\": not a numeric address";
+    try {
+      listener.emplace(*sched, *at, *opts->registry, opts->endpoint);
+    } catch (const error& e) {
+      return std::string("cannot listen on ") + host + ": " + e.what();
+    }
+    return {};
+  }
+  std::string published() const { return listener->local_address().to_string(); }
+  task<result<tcp::endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
+    auto conn = tcp::connect(*sched, where, detail::timeout_options(t), *opts->registry, opts->endpoint);
+    co_return co_await std::move(conn).as_result();
+  }
+  task<result<tcp::endpoint>> accept(std::chrono::milliseconds t) {
+    auto acc = listener->accept(detail::timeout_options(t));
+    co_return co_await std::move(acc).as_result();
+  }
+  void close() {
+    if (listener) listener->close();
+  }
+};
+
+}  // namespace detail
+
+/// Builds the mesh over TCP (see the file comment).
+template <rendezvous R>
+task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
+  detail::tcp_net net{&sched, &opts};
+  co_return co_await detail::build_mesh(rv, opts.listen_host, opts.timeout, net);
 }
 
 }  // namespace gdr::bootstrap
