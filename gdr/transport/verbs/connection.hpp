@@ -78,9 +78,10 @@
 /// freed, once every work request has come back. A peer that vanishes
 /// without a word (power, cable) is noticed by the transport's retries:
 /// `endpoint_options::ack_timeout` and `retry_count` bound how long a work
-/// request waits for an acknowledgement, and an idle connection with work
-/// pending sends a keepalive (a zero-byte RDMA WRITE) every
-/// `endpoint_options::keepalive`.
+/// request waits for an acknowledgement, and an idle connection sends a
+/// keepalive (a zero-byte RDMA WRITE) every `endpoint_options::keepalive`,
+/// so that a receive waiting on a dead peer fails within about a second
+/// too (and unsignaled requests at the end of a burst are accounted for).
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -153,8 +154,8 @@ struct endpoint_options {
   /// Keep registrations of users' buffers cached after their transfer
   /// (see `gdr/transport/verbs/memory.hpp`: then invalidate before freeing).
   bool cache_registrations = false;
-  /// An idle connection with operations pending probes its peer this often
-  /// (a zero-byte RDMA WRITE); zero: never.
+  /// An idle connection probes its peer this often (a zero-byte RDMA
+  /// WRITE); zero: never.
   std::chrono::milliseconds keepalive{500};
   /// Local ACK timeout exponent: 4.096 us * 2^ack_timeout per try (15: 134 ms).
   std::uint8_t ack_timeout = 15;
@@ -1510,7 +1511,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
  public:
   /// Probes the peer if the connection has been idle for the keepalive
-  /// interval while operations are pending (called by the endpoint's timer).
+  /// interval (called by the poller's tick).
   void keepalive_tick() noexcept {
     if (!established_ || shut_ || failed() || vopts_.keepalive.count() == 0) return;
     // Called every ~100 ms (the poller's tick): activity since the last
