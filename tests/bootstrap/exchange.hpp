@@ -87,4 +87,20 @@ inline gdr::task<int> exchange_with_all(gdr::bootstrap::mesh& m) {
   co_return bad;
 }
 
+/// What every rank of a mesh test checks once its mesh is built: it is rank
+/// `rank` of `world`, open to every peer and not to itself, every exchange
+/// arrives intact; then, after a barrier (nobody closes while a peer still
+/// receives), it closes. Returns the number of things wrong.
+template <class R>
+gdr::task<int> check_mesh(gdr::bootstrap::mesh& m, R& rv, int rank, int world) {
+  if (m.rank() != rank || m.size() != world) co_return 1000;
+  int wrong = 0;
+  for (int p = 0; p < world; ++p)
+    if ((p == rank) == m.peer(p).is_open()) ++wrong;
+  wrong += co_await exchange_with_all(m);
+  rv.barrier();
+  co_await m.close();
+  co_return wrong;
+}
+
 }  // namespace gdr_test

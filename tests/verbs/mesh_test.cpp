@@ -55,14 +55,7 @@ TEST_CASE("three ranks build a verbs mesh and every pair exchanges checksummed m
     o.timeout = 20s;
     int bad = gdr::sync_wait(sched, [&]() -> gdr::task<int> {
       bs::mesh m = co_await gdr::verbs::connect_mesh(sched, rv, o);
-      if (m.rank() != rank || m.size() != world) co_return 1000;
-      int wrong = 0;
-      for (int p = 0; p < world; ++p)
-        if ((p == rank) == m.peer(p).is_open()) ++wrong;  // open to every peer, not to itself
-      wrong += co_await gdr_test::exchange_with_all(m);
-      rv.barrier();  // nobody closes while a peer still receives
-      co_await m.close();
-      co_return wrong;
+      co_return co_await gdr_test::check_mesh(m, rv, rank, world);
     }());
     sched.drain();
     return bad == 0 ? gdr_test::rank_ok : gdr_test::rank_failed;
