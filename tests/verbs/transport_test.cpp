@@ -310,6 +310,42 @@ TEST_CASE("buffers over the registration limit go through the bounce buffers, ev
   }
 }
 
+TEST_CASE("a receive registered for RDMA whose sender cannot register its message gets it as SENDs, and completes") {
+  REQUIRE_VERBS();
+  // a (the sender, the initiator) is limited, b is not: b's receive sends
+  // its key, a's data comes as SENDs all the same; b's registration must
+  // end with them (not wait for a WRITE_WITH_IMM that never comes).
+  gdr::verbs::endpoint_options limited, free_side;
+  limited.registration_limit = 64 * 1024;
+  limited.protocol.rendezvous_threshold = 4096;
+  free_side.protocol.rendezvous_threshold = 4096;
+  with_pair(
+      [](auto& a, auto& b) -> gdr::task<> {
+        for (std::size_t n : {std::size_t{100000}, (std::size_t{1} << 20) + 7}) {
+          CAPTURE(n);
+          auto src = pattern(n, 23);
+          std::vector<std::byte> in(n);
+          auto [s, r] = co_await gdr::when_all(report_of(a.send(cbytes_of(src))),
+                                               report_of(b.recv(bytes_of(in), {5s})));
+          CHECK(!s.error);
+          CHECK(!r.error);
+          CHECK(in == src);
+          CHECK(r.path == gdr::transfer_path::host_eager);
+        }
+        CHECK(b.stats().registrations == 2);          // b offered its receives
+        CHECK(a.stats().registration_failures == 2);  // a could not take them up
+        CHECK(b.stats().rdma_received == 0);
+        // A put from the limited side goes as SENDs, and is served.
+        std::vector<std::byte> target(200000);
+        auto reg = gdr::register_memory(gdr::host_view(target));
+        auto src = pattern(target.size(), 24);
+        CHECK(co_await a.put(cbytes_of(src), reg.describe(0)) == target.size());
+        CHECK(target == src);
+        co_await a.close();
+      },
+      limited, free_side);
+}
+
 TEST_CASE("cached registrations stay for the next transfer until the program invalidates them") {
   REQUIRE_VERBS();
   gdr::verbs::endpoint_options o;

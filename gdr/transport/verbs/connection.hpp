@@ -53,11 +53,11 @@
 /// `copied_` and goes back to the engine at the end of the handler
 /// (`link_flush`). A frame that carries a key (an rtr, a large put's or
 /// get's request), the close frame and an RDMA WRITE's frame end on their
-/// work completion (a keyed one later still, see above). One send-queue request in `signal_every` is
-/// signaled (and the one that takes the last slot or queue entry, and one
-/// that ends a frame); the others carry `unsignaled_work()`'s id, and those
-/// copied into a slot keep it until a later signaled request completes (an
-/// RC send queue completes in order).
+/// work completion (a keyed one later still, see above). One send-queue
+/// request in `signal_every` is signaled (and the one that takes the last
+/// slot or queue entry, and one that ends a frame); the others carry
+/// `unsignaled_work()`'s id, and those copied into a slot keep it until a
+/// later signaled request completes (an RC send queue completes in order).
 ///
 /// Credits. Each side posts `rx_depth` receive buffers before connecting and
 /// tells the peer (connection private data). A SEND or WRITE_WITH_IMM
@@ -823,6 +823,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       case proto::rx_plan::action::place: break;
     }
     if (answers_grant) settle(h.type == proto::msg::put_ack ? grant_kind::put : grant_kind::get, h.id);
+    // A rendezvous message that came as SENDs although the receive offered
+    // its key (the sender could not register its side): no WRITE will come.
+    if (h.type == proto::msg::data && (h.flags & proto::flag::last) != 0) settle(grant_kind::recv, h.addr);
     if (by_read) {
       if (plan.want == 0) {
         on_placed(false);  // refused, or empty: nothing to read
