@@ -1338,6 +1338,23 @@ class engine {
     return consumed();
   }
 
+  /// A kept eager message of `len` bytes (their room allocated), or null
+  /// when memory is short (the caller pauses reading).
+  static early_msg* new_eager_msg(std::uint64_t tag, std::size_t len) noexcept {
+    auto* m = new (std::nothrow) early_msg;
+    if (m == nullptr) return nullptr;
+    if (len != 0) {
+      m->bytes.reset(new (std::nothrow) std::byte[len]);
+      if (!m->bytes) {
+        delete m;
+        return nullptr;
+      }
+    }
+    m->tag = tag;
+    m->size = len;
+    return m;
+  }
+
   rx_plan rx_eager(const header& h) noexcept {
     auto len = static_cast<std::size_t>(h.length);
     if (op* r = find_recv(h.tag)) {
@@ -1346,15 +1363,8 @@ class engine {
         // Into device memory, larger than a bounce buffer (the sender's
         // threshold is above our chunk): through host memory first, then
         // chunk by chunk as a kept message is.
-        auto* m = new (std::nothrow) early_msg;
+        early_msg* m = new_eager_msg(h.tag, len);
         if (m == nullptr) return pause_reading();
-        m->bytes.reset(new (std::nothrow) std::byte[len]);
-        if (!m->bytes) {
-          delete m;
-          return pause_reading();
-        }
-        m->tag = h.tag;
-        m->size = len;
         take_recv(*r);
         r->stage_ = op::stage::placing;
         r->placing_ = true;
@@ -1384,17 +1394,8 @@ class engine {
     }
     if (early_bytes_ + len > opts_.unexpected_bytes || early_.size >= opts_.unexpected_messages)
       return pause_reading();
-    auto* m = new (std::nothrow) early_msg;
+    early_msg* m = new_eager_msg(h.tag, len);
     if (m == nullptr) return pause_reading();
-    if (len != 0) {
-      m->bytes.reset(new (std::nothrow) std::byte[len]);
-      if (!m->bytes) {
-        delete m;
-        return pause_reading();
-      }
-    }
-    m->tag = h.tag;
-    m->size = len;
     target t{target::store};
     t.m = m;
     return place(t, m->bytes.get(), len, 0);
