@@ -342,6 +342,24 @@ struct no_probe {
   std::error_code operator()() const noexcept { return errc::unsupported; }
 };
 
+/// The decision a row's table entry describes, before any check or probe
+/// (`decide_path` starts from it; a transport that resolves a probed row
+/// itself, e.g. to `staged`, sets `decided` and `path`).
+template <class Transport, class Op, class Local, class Remote = AnySpace>
+path_decision row_decision(force_path force) noexcept {
+  using row = select_path<Transport, Op, Local, Remote>;
+  path_decision d;
+  d.transport = transport_name_v<Transport>;
+  d.operation = Op::kind;
+  d.local_space = space_name<Local>();
+  d.remote_space = space_name<Remote>();
+  d.row = row::kind;
+  d.decided = row::kind;
+  d.path = row::path;
+  d.force = force;
+  return d;
+}
+
 /// Decides the path of one row at endpoint set-up: checks `force` against
 /// the row (`errc::unsupported` if it is not offered, also for an
 /// unsupported row: this is the run-time form, it does not fail to compile),
@@ -353,15 +371,7 @@ result<path_decision> decide_path(force_path force = force_path::automatic, [[ma
   static_assert(path_operation<Op>, "gdr::decide_path: Op must be one of the gdr::op tags");
   using row = select_path<Transport, Op, Local, Remote>;
   if (std::error_code ec = path_allowed(row::kind, force)) return ec;
-  path_decision d;
-  d.transport = transport_name_v<Transport>;
-  d.operation = Op::kind;
-  d.local_space = space_name<Local>();
-  d.remote_space = space_name<Remote>();
-  d.row = row::kind;
-  d.decided = row::kind;
-  d.path = row::path;
-  d.force = force;
+  path_decision d = row_decision<Transport, Op, Local, Remote>(force);
   if constexpr (row::kind == path_kind::probed) {
     if (std::error_code ec = std::forward<Probe>(probe)()) return ec;
     d.decided = path_kind::zero_copy;

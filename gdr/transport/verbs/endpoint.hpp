@@ -135,15 +135,9 @@ class endpoint : public basic_endpoint<transport> {
       plan.refused |= engine::refuse_device;
     } else {
       auto staged_row = [&]<class Op, class R>() {
-        path_decision d;
-        d.transport = transport_name_v<transport>;
-        d.operation = Op::kind;
-        d.local_space = space_name<Device>();
-        d.remote_space = space_name<R>();
-        d.row = path_kind::probed;
+        path_decision d = row_decision<transport, Op, Device, R>(o.protocol.force);  // a probed row
         d.decided = path_kind::staged;
         d.path = transfer_path::staged_pinned;
-        d.force = o.protocol.force;
         d.endpoint = who;
         log_path_decision(d);
         ++plan.usable;
