@@ -574,9 +574,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     f.queued = false;
     if (f.encoded[0] == std::byte{1}) {
       // Registered for a request that never went out: the peer never saw the key.
-      auto g = std::find_if(grants_.begin(), grants_.end(), [&](const grant& x) { return x.f == &f; });
+      auto g = grant_of(f);
       if (g != grants_.end()) {
-        release_lease(g->lease, g->addr, g->len, g->kind == grant_kind::put ? read_cache() : recv_cache());
+        release_grant(*g);
         grants_.erase(g);
       }
     }
@@ -906,9 +906,18 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void finish_grant(std::vector<grant>::iterator g) noexcept {
     if (!g->sent || !g->done) return;
     frame* f = g->f;
-    release_lease(g->lease, g->addr, g->len, g->kind == grant_kind::put ? read_cache() : recv_cache());
+    release_grant(*g);
     grants_.erase(g);
     on_sent(*f, {});
+  }
+
+  void release_grant(grant& g) noexcept {
+    release_lease(g.lease, g.addr, g.len, g.kind == grant_kind::put ? read_cache() : recv_cache());
+  }
+
+  /// The grant a frame carries the key of (encoded[0] == 1), or end().
+  std::vector<grant>::iterator grant_of(const frame& f) noexcept {
+    return std::find_if(grants_.begin(), grants_.end(), [&](const grant& g) { return g.f == &f; });
   }
 
   void remember_remote(bool get_reply, std::uint64_t token, std::uint64_t raddr, std::uint32_t rkey) noexcept {
@@ -1150,12 +1159,46 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
                         [&](const remote_dst& x) { return x.get_reply == get_reply && x.token == token; });
   }
 
+  /// The size of each work request when `len` bytes move by RDMA: at least
+  /// `write_chunk`, and at most `max_write_wrs` requests in all.
+  static std::size_t rdma_chunk(std::size_t len) noexcept {
+    return std::max(write_chunk, (len + max_write_wrs - 1) / max_write_wrs);
+  }
+
+  /// Fills `wrs` (and `sges`) with a chain of `op` requests moving `len`
+  /// bytes between local `local` (key `lkey`) and remote `remote` (key
+  /// `rkey`), `chunk` bytes each; only the last is signaled, with slot
+  /// `t`'s id.
+  static void rdma_chain(ibv_send_wr* wrs, ibv_sge* sges, ibv_wr_opcode op, const std::byte* local,
+                         std::uint32_t lkey, std::uint64_t remote, std::uint32_t rkey, std::size_t len,
+                         std::size_t chunk, tx_slot& t) noexcept {
+    int nwr = static_cast<int>((len + chunk - 1) / chunk);
+    for (int i = 0; i < nwr; ++i) {
+      std::size_t off = static_cast<std::size_t>(i) * chunk;
+      sges[i] = {};
+      sges[i].addr = reinterpret_cast<std::uintptr_t>(local) + off;
+      sges[i].length = static_cast<std::uint32_t>(std::min(chunk, len - off));
+      sges[i].lkey = lkey;
+      ibv_send_wr& wr = wrs[i];
+      wr = {};
+      wr.sg_list = &sges[i];
+      wr.num_sge = 1;
+      wr.opcode = op;
+      wr.wr.rdma.remote_addr = remote + off;
+      wr.wr.rdma.rkey = rkey;
+      bool last = i + 1 == nwr;
+      wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
+      wr.wr_id = last ? t.wr_id() : gdr::verbs::unsignaled_work()->wr_id();
+      wr.next = last ? nullptr : &wrs[i + 1];
+    }
+  }
+
   /// The payload of `f` by RDMA WRITE to `r`'s buffer at `offset`, the last
   /// request WITH_IMM `imm` if `tell`. 1: posted; 0: no resources yet; -1:
   /// its buffer cannot be registered.
   int post_rdma(frame& f, const remote_dst& r, std::uint64_t offset, std::uint32_t imm, bool tell_at_end) noexcept {
     auto len = static_cast<std::size_t>(f.hdr.length);
-    std::size_t chunk = std::max(write_chunk, (len + max_write_wrs - 1) / max_write_wrs);
+    std::size_t chunk = rdma_chunk(len);
     int nwr = static_cast<int>((len + chunk - 1) / chunk);
     if (!credit_for(false) || free_tx_ == nullptr || sq_used_ + nwr > sq_depth_) {
       if (!credit_for(false)) ++stats_.credit_stalls;
@@ -1170,26 +1213,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     tx_slot* t = take_tx();
     ibv_send_wr wrs[max_write_wrs];
     ibv_sge sges[max_write_wrs];
-    std::uint32_t lkey = l->handle()->lkey;
-    for (int i = 0; i < nwr; ++i) {
-      std::size_t off = static_cast<std::size_t>(i) * chunk;
-      sges[i] = {};
-      sges[i].addr = reinterpret_cast<std::uintptr_t>(f.payload) + off;
-      sges[i].length = static_cast<std::uint32_t>(std::min(chunk, len - off));
-      sges[i].lkey = lkey;
-      ibv_send_wr& wr = wrs[i];
-      wr = {};
-      wr.sg_list = &sges[i];
-      wr.num_sge = 1;
-      wr.wr.rdma.remote_addr = r.raddr + offset + off;
-      wr.wr.rdma.rkey = r.rkey;
-      bool last = i + 1 == nwr;
-      bool tell = last && tell_at_end;
-      wr.opcode = tell ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-      wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
-      wr.wr_id = last ? t->wr_id() : gdr::verbs::unsignaled_work()->wr_id();
-      if (tell) wr.imm_data = imm;
-      wr.next = last ? nullptr : &wrs[i + 1];
+    rdma_chain(wrs, sges, IBV_WR_RDMA_WRITE, f.payload, l->handle()->lkey, r.raddr + offset, r.rkey, len, chunk, *t);
+    if (tell_at_end) {
+      wrs[nwr - 1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wrs[nwr - 1].imm_data = imm;
     }
     t->f = &f;
     t->covered = static_cast<std::uint32_t>(nwr);
@@ -1279,11 +1306,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         w.addr = f.hdr.addr;
         w.key = f.hdr.key;
         if (f.encoded[0] == std::byte{1}) {
-          for (auto& g : grants_)
-            if (g.f == &f) {
-              w.raddr = reinterpret_cast<std::uintptr_t>(g.addr);
-              w.rkey = g.lease.handle()->rkey;
-            }
+          auto g = grant_of(f);
+          if (g != grants_.end()) {
+            w.raddr = reinterpret_cast<std::uintptr_t>(g->addr);
+            w.rkey = g->lease.handle()->rkey;
+          }
         }
       }
       w.credits = reposted_;
@@ -1382,8 +1409,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     bool rdma = t.rdma;
     bool read = t.read;
     std::size_t read_bytes = t.read_bytes;
-    if (read && wc.status == IBV_WC_SUCCESS && !rd_.lease && rd_.active)
-      std::memcpy(rd_.dst + rd_.done, t.buf, read_bytes);  // read through the slot
+    const std::byte* slot_buf = t.buf;  // not written again before read_done: nothing posts in between
     release_lease(t.lease, t.lease_addr, t.lease_len, send_cache());
     free_held(t.held);
     free_tx(&t);
@@ -1392,11 +1418,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (!failed()) fail_wc(wc);
       ec = error();
     }
-    if (read) read_done(read_bytes, ec);
+    if (read) read_done(read_bytes, slot_buf, ec);
     if (f != nullptr) {
       if (f->where == in_posted) f->where = nowhere;
       if (f->encoded[0] == std::byte{1}) {
-        auto g = std::find_if(grants_.begin(), grants_.end(), [&](const grant& x) { return x.f == f; });
+        auto g = grant_of(*f);
         if (g != grants_.end()) {
           if (!ec && !shut_) {
             // Held until the peer is done with the memory (see the file comment).
@@ -1445,30 +1471,15 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (!rd_.active || rd_.posted || rd_.aborted || shut_ || failed()) return;
     bool direct = static_cast<bool>(rd_.lease);
     std::size_t n = direct ? rd_.len - rd_.done : std::min(rd_.len - rd_.done, buf_);
-    std::size_t chunk = direct ? std::max(write_chunk, (n + max_write_wrs - 1) / max_write_wrs) : n;
+    std::size_t chunk = direct ? rdma_chunk(n) : n;
     int nwr = static_cast<int>((n + chunk - 1) / chunk);
     if (free_tx_ == nullptr || sq_used_ + nwr > sq_depth_) return;
     tx_slot* t = take_tx();
     ibv_send_wr wrs[max_write_wrs];
     ibv_sge sges[max_write_wrs];
-    for (int i = 0; i < nwr; ++i) {
-      std::size_t off = static_cast<std::size_t>(i) * chunk;
-      sges[i] = {};
-      sges[i].addr = reinterpret_cast<std::uintptr_t>(direct ? rd_.dst + rd_.done + off : t->buf + off);
-      sges[i].length = static_cast<std::uint32_t>(std::min(chunk, n - off));
-      sges[i].lkey = direct ? rd_.lease.handle()->lkey : tx_mr_.lkey();
-      ibv_send_wr& wr = wrs[i];
-      wr = {};
-      wr.sg_list = &sges[i];
-      wr.num_sge = 1;
-      wr.opcode = IBV_WR_RDMA_READ;
-      wr.wr.rdma.remote_addr = rd_.raddr + rd_.done + off;
-      wr.wr.rdma.rkey = rd_.rkey;
-      bool last = i + 1 == nwr;
-      wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
-      wr.wr_id = last ? t->wr_id() : gdr::verbs::unsignaled_work()->wr_id();
-      wr.next = last ? nullptr : &wrs[i + 1];
-    }
+    const std::byte* into = direct ? rd_.dst + rd_.done : t->buf;
+    std::uint32_t lkey = direct ? rd_.lease.handle()->lkey : tx_mr_.lkey();
+    rdma_chain(wrs, sges, IBV_WR_RDMA_READ, into, lkey, rd_.raddr + rd_.done, rd_.rkey, n, chunk, *t);
     t->read = true;
     t->read_bytes = n;
     t->covered = static_cast<std::uint32_t>(nwr);
@@ -1477,8 +1488,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     stats_.read_wrs += static_cast<std::uint64_t>(nwr);
   }
 
-  /// A READ of `n` bytes completed (or failed: `ec`).
-  void read_done(std::size_t n, std::error_code ec) noexcept {
+  /// A READ of `n` bytes completed (or failed: `ec`), through send slot
+  /// buffer `slot` when the destination is not registered.
+  void read_done(std::size_t n, const std::byte* slot, std::error_code ec) noexcept {
     if (!rd_.active) return;
     rd_.posted = false;
     if (ec) {
@@ -1489,6 +1501,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (aborted) on_target_released();
       return;
     }
+    if (!rd_.lease) std::memcpy(rd_.dst + rd_.done, slot, n);
     rd_.done += n;
     if (rd_.done < rd_.len && !rd_.aborted) {
       post_read();
