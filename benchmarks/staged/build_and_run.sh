@@ -81,7 +81,7 @@ cat "$OUT/build.log" >>"$SUMMARY.body"
 
 # ---- 1. build ------------------------------------------------------------------
 t=$SECONDS
-FLAGS=(-O2 -std=c++20 -Wall -Wextra -Wundef -isystem "$CUDA_HOME/include")
+FLAGS=(-O2 -std=c++20 -Wall -Wextra -Wundef -I. -isystem "$CUDA_HOME/include")
 LIBS=("$CUDART_A" -ldl -lrt -lpthread)
 for b in raw_pipeline copy_rates; do
   ( "$CXX" "${FLAGS[@]}" "benchmarks/staged/$b.cpp" -o "$BUILD/$b" "${LIBS[@]}" >"$BUILD/$b.build.log" 2>&1

@@ -52,6 +52,8 @@
 #include <utility>
 #include <vector>
 
+#include "benchmarks/staged/units.hpp"
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -72,7 +74,7 @@ void check_cuda(cudaError_t e, const char* call, int line) {
 }
 #define CK(call) check_cuda((call), #call, __LINE__)
 
-constexpr std::uint64_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
+using staged_bench::GiB, staged_bench::KiB, staged_bench::MiB, staged_bench::human;
 constexpr std::size_t slot_align = 4096;
 
 struct options {
@@ -179,15 +181,6 @@ options parse_args(int argc, char** argv) {
   if (o.total == 0) bad_arg("--total must be above 0:", "0");
   if (o.reps < 1) bad_arg("--reps must be at least 1:", std::to_string(o.reps));
   return o;
-}
-
-std::string human(std::uint64_t n) {
-  char b[64];
-  if (n >= GiB && n % GiB == 0) std::snprintf(b, sizeof b, "%llu GiB", static_cast<unsigned long long>(n / GiB));
-  else if (n >= MiB && n % MiB == 0) std::snprintf(b, sizeof b, "%llu MiB", static_cast<unsigned long long>(n / MiB));
-  else if (n >= KiB && n % KiB == 0) std::snprintf(b, sizeof b, "%llu KiB", static_cast<unsigned long long>(n / KiB));
-  else std::snprintf(b, sizeof b, "%llu B", static_cast<unsigned long long>(n));
-  return b;
 }
 
 double seconds_since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }

@@ -82,6 +82,8 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/staged/units.hpp"
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -155,7 +157,7 @@ struct options {
   unsigned timeout = 1200;    // the whole run, seconds (SIGALRM ends it)
 };
 
-constexpr std::uint64_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
+using staged_bench::GiB, staged_bench::KiB, staged_bench::MiB, staged_bench::human;
 constexpr std::uint64_t guard_bytes = 64 * KiB;  // after the message on the receiver: must stay untouched
 constexpr std::uint8_t fill_byte = 0x5a;        // what the receiver's buffers hold before a verified message
 constexpr std::size_t slot_align = 4096;
@@ -354,15 +356,6 @@ long warmup_for(const options& o, std::uint64_t size) {
   if (size <= 16 * MiB) return 5;
   if (size <= 64 * MiB) return 2;
   return 1;
-}
-
-std::string human(std::uint64_t n) {
-  char b[64];
-  if (n >= GiB && n % GiB == 0) std::snprintf(b, sizeof b, "%llu GiB", static_cast<unsigned long long>(n / GiB));
-  else if (n >= MiB && n % MiB == 0) std::snprintf(b, sizeof b, "%llu MiB", static_cast<unsigned long long>(n / MiB));
-  else if (n >= KiB && n % KiB == 0) std::snprintf(b, sizeof b, "%llu KiB", static_cast<unsigned long long>(n / KiB));
-  else std::snprintf(b, sizeof b, "%llu B", static_cast<unsigned long long>(n));
-  return b;
 }
 
 // ---- the byte pattern: a hash of the offset, so a chunk in the wrong place shows ----
