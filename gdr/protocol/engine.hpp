@@ -80,6 +80,17 @@
 /// touches its memory and it holds no slot; slots freed from inside
 /// `on_sent` let their waiters go on at the end of the event, never there.
 ///
+/// Device memory with GPUDirect (`set_device_direct`). When the transport's
+/// NIC reaches GPU memory, nothing is staged, and the CPU must never touch
+/// `Device` memory: a send from it goes by rendezvous at any size (the
+/// receiver's rtr carries its key and the sender's NIC writes), a `Device`
+/// receive fails with `errc::gpudirect_unavailable` when an eager message
+/// (already in host memory) would be copied into it, and the message stays
+/// for the next receive; puts and gets touching `Device` memory on either
+/// side, and the rtr of a `Device` receive, are marked for the transport
+/// (`frame::nic_only`, `rx_plan::device`), which moves them by RDMA or
+/// fails the connection with `errc::gpudirect_unavailable`, never copies.
+///
 /// Failure. When the transport fails (peer gone, protocol error) or the
 /// endpoint closes, every pending and later operation fails with that
 /// error, in order; messages already kept remain receivable.
@@ -189,6 +200,15 @@ struct frame {
   bool sealed = false;     ///< committed: can no longer be withdrawn
   bool in_flight = false;  ///< part of a write the kernel is doing now
   std::uint8_t where = 0;  ///< which of the transport's lists holds it
+  /// Set by the engine: the bytes this frame carries or names (a payload, an
+  /// rtr's receive, a request's local memory) may be moved by the NIC only,
+  /// never copied by the CPU: `Device` memory on a GPUDirect endpoint, or a
+  /// put's or get's host memory whose peer side is `Device` memory.
+  /// `device`: the GPU whose memory it is (-1: host memory). A transport
+  /// that cannot move them by RDMA fails the connection with
+  /// `errc::gpudirect_unavailable` instead of copying.
+  bool nic_only = false;
+  std::int8_t device = -1;
   std::uint32_t seq = 0;
   /// The transport's encoding of `hdr` (TCP: the wire header), written when
   /// the frame is sealed. Deliberately not initialised: an operation holds
@@ -208,6 +228,8 @@ struct frame {
     written = 0;
     queued = sealed = in_flight = false;
     where = 0;
+    nic_only = false;
+    device = -1;
     seq = 0;
   }
 };
@@ -277,6 +299,10 @@ struct rx_plan {
   std::byte* dst = nullptr;
   std::size_t want = 0;
   std::uint64_t discard = 0;
+  /// `dst` is `Device` memory of this GPU on a GPUDirect endpoint (-1: host
+  /// memory): only the NIC may write it. A transport that would copy the
+  /// payload with the CPU fails the connection (`errc::gpudirect_unavailable`).
+  int device = -1;
 };
 
 /// A send, recv, put, get or close: the awaitable, its queue links, its
@@ -304,12 +330,14 @@ class op : private gdr::detail::cancellable<op> {
   op(op&& o) noexcept
       : cancellable<op>(std::move(o)),
         eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
-        rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_), dev_(o.dev_), remote_dev_(o.remote_dev_) {}
+        rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_), dev_(o.dev_), remote_dev_(o.remote_dev_),
+        nic_dev_(o.nic_dev_), remote_nic_(o.remote_nic_) {}
   op& operator=(op&&) = delete;
 
   /// Before it is awaited: the local memory is `Device` memory of GPU `dev`
   /// (-1: host memory), and for a put or get whether the peer's is. Either
-  /// makes it a staged operation.
+  /// makes it a staged operation, or on a GPUDirect endpoint
+  /// (`engine::set_device_direct`) one whose bytes only the NIC moves.
   void set_spaces(int dev, bool remote_dev) noexcept {
     dev_ = dev < 0 ? -1 : dev;
     remote_dev_ = remote_dev;
@@ -406,6 +434,8 @@ class op : private gdr::detail::cancellable<op> {
   kind kind_;
   int dev_ = -1;             // local memory is Device memory of this GPU (staged)
   bool remote_dev_ = false;  // put/get: the peer's memory is Device memory (it stages)
+  int nic_dev_ = -1;         // GPUDirect: local memory is Device memory of this GPU, moved by the NIC only
+  bool remote_nic_ = false;  // GPUDirect: put/get: the peer's memory is Device memory (its NIC moves it)
 
   // ---- state (loop thread) ----
   stage stage_ = stage::idle;
@@ -482,6 +512,16 @@ class engine {
   /// Set once by the transport at set-up, from `decide_paths`.
   void set_refused(std::uint8_t rows) noexcept { refused_ = rows; }
 
+  /// GPUDirect: the transport moves `Device` memory with the NIC, so such
+  /// operations are not staged. Their rules (the GPUDirect section below):
+  /// a send from `Device` memory goes by rendezvous at any size, a
+  /// `Device` receive takes only rendezvous messages (an eager one fails
+  /// it with `errc::gpudirect_unavailable` and stays receivable), and
+  /// their frames and placements are marked `nic_only` / `device` for the
+  /// transport. Set once by the transport at set-up.
+  void set_device_direct(bool on) noexcept { device_direct_ = on; }
+  bool device_direct() const noexcept { return device_direct_; }
+
   /// Bounce buffers checked out now (tx, rx): zero when nothing staged is
   /// in flight.
   std::pair<std::size_t, std::size_t> bounce_in_use() const noexcept { return {tx_.in_use, rx_.in_use}; }
@@ -500,6 +540,13 @@ class engine {
   /// Starts `o` (from its await_suspend). True: pending; false: it
   /// completed at once (its result is set).
   bool begin(op& o) noexcept {
+    if (device_direct_ && (o.dev_ >= 0 || o.remote_dev_)) {
+      // GPUDirect: not staged; the NIC moves the bytes.
+      o.nic_dev_ = o.dev_;
+      o.remote_nic_ = o.remote_dev_;
+      o.dev_ = -1;
+      o.remote_dev_ = false;
+    }
     switch (o.kind_) {
       case op::kind::recv: return begin_recv(o);
       case op::kind::close: return begin_close(o);
@@ -593,8 +640,10 @@ class engine {
       case op::kind::get: ++stats_->gets; stats_->bytes_received += o.bytes_; break;
       case op::kind::close: return;
     }
-    // Device memory on either side took the staged path, whatever moved.
+    // Device memory on either side took the staged path, or GPUDirect RDMA,
+    // whatever moved.
     if (o.dev_ >= 0 || o.remote_dev_) o.path_ = transfer_path::staged_pinned;
+    if (o.nic_dev_ >= 0 || o.remote_nic_) o.path_ = transfer_path::gpudirect_rdma;
     ++stats_->by_path[static_cast<std::size_t>(o.path_)];
     last_path_ = o.path_;
   }
@@ -723,7 +772,7 @@ class engine {
         early_msg* m = t.m;
         ++stats_->unexpected;
         // A receive may have been posted while the bytes were placed.
-        if (op* r = find_recv(m->tag)) {
+        if (op* r = recv_for_eager(m->tag, m->size)) {
           take_recv(*r);
           std::error_code ec = deliver_early(*r, *m);
           complete(*r, ec);
@@ -851,10 +900,10 @@ class engine {
   static rx_plan consumed() noexcept { return {}; }
   static rx_plan pause_plan() noexcept { return {rx_plan::action::pause, nullptr, 0, 0}; }
   static rx_plan fail_plan() noexcept { return {rx_plan::action::fail, nullptr, 0, 0}; }
-  rx_plan place(target t, std::byte* dst, std::size_t want, std::uint64_t discard) noexcept {
+  rx_plan place(target t, std::byte* dst, std::size_t want, std::uint64_t discard, int device = -1) noexcept {
     t.want = want;
     cur_ = t;
-    return {rx_plan::action::place, dst, want, discard};
+    return {rx_plan::action::place, dst, want, discard, device};
   }
   rx_plan drop(std::uint64_t n) noexcept {
     cur_ = target{target::discard};
@@ -874,6 +923,10 @@ class engine {
     }
     for (early_msg* m = early_.head; m != nullptr; m = m->next) {
       if (m->tag != o.tag_) continue;
+      if (!m->rts && refuses_eager(o, m->size)) {
+        o.ec_ = errc::gpudirect_unavailable;  // the message stays for a host receive
+        return false;
+      }
       early_.erase(m);
       if (!m->rts && o.dev_ >= 0 && std::min<std::size_t>(m->size, o.size_) != 0) {
         // Kept eager bytes for device memory: through a bounce buffer.
@@ -952,6 +1005,7 @@ class engine {
           h.length = o.size_;
           h.tag = o.tag_;
           f.payload = o.data_;
+          mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0);  // GPUDirect: only an empty one
           o.stage_ = op::stage::queued;
         } else {
           o.proto_ = wire_protocol::rendezvous;
@@ -986,6 +1040,7 @@ class engine {
         } else {
           h.size = o.size_;
         }
+        mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0 || o.remote_nic_);
         // Awaiting its answer from now on: the answer may be parsed before
         // the write's own completion is.
         o.stage_ = op::stage::awaiting;
@@ -1275,6 +1330,17 @@ class engine {
     r.stage_ = op::stage::idle;
   }
 
+  /// The receive an eager message of `len` bytes with `tag` goes to. A
+  /// GPUDirect `Device` receive ahead of it fails instead (`refuses_eager`):
+  /// the message goes on to the next receive, or is kept.
+  op* recv_for_eager(std::uint64_t tag, std::size_t len) noexcept {
+    while (op* r = find_recv(tag)) {
+      if (!refuses_eager(*r, len)) return r;
+      complete(*r, errc::gpudirect_unavailable);
+    }
+    return nullptr;
+  }
+
   /// Hands kept eager bytes to receive `r` (one copy); returns its outcome.
   static std::error_code deliver_early(op& r, const early_msg& m) noexcept {
     std::size_t n = std::min<std::size_t>(m.size, r.size_);
@@ -1305,6 +1371,7 @@ class engine {
     f.hdr.id = sid;
     f.hdr.size = accept;
     f.hdr.addr = r.id_;
+    mark_nic(f, r.nic_dev_, r.nic_dev_ >= 0);
     // Device memory takes the data in frames no larger than its bounce
     // buffers.
     if (r.dev_ >= 0) f.hdr.key = chunk_;
@@ -1357,7 +1424,7 @@ class engine {
 
   rx_plan rx_eager(const header& h) noexcept {
     auto len = static_cast<std::size_t>(h.length);
-    if (op* r = find_recv(h.tag)) {
+    if (op* r = recv_for_eager(h.tag, len)) {
       std::size_t want = std::min(len, r->size_);
       if (r->dev_ >= 0 && want != 0 && len > chunk_) {
         // Into device memory, larger than a bounce buffer (the sender's
@@ -1423,6 +1490,7 @@ class engine {
     op* s = announced_.head;
     while (s != nullptr && s->id_ != h.id) s = s->next_;
     if (s == nullptr || h.size > s->size_) return fail_plan();  // not one of ours
+    if (s->nic_dev_ >= 0 && h.key != 0) return fail_plan();  // a staging peer: the ends disagree
     if (s->dev_ >= 0 || h.key != 0) return rtr_segmented(*s, h);
     announced_.erase(s);
     // Committed now, whatever a stop asked: a pending rts_cancel is
@@ -1437,6 +1505,7 @@ class engine {
     f.hdr.length = h.size;
     f.hdr.addr = h.addr;
     f.payload = s->data_;
+    mark_nic(f, s->nic_dev_, s->nic_dev_ >= 0);
     link_post(f);
     return consumed();
   }
@@ -1470,11 +1539,11 @@ class engine {
       }
       r->placing_ = true;
       if (off == 0 && last && r->done_ == 0 && r->dev_ < 0) {
-        return place({target::op_payload, r}, r->data_, len, 0);  // the whole message in one frame
+        return place({target::op_payload, r}, r->data_, len, 0, r->nic_dev_);  // the whole message in one frame
       }
       target t{target::op_payload, r};
       t.counted = true;
-      return place(t, r->data_ + off, len, 0);
+      return place(t, r->data_ + off, len, 0, r->nic_dev_);
     }
     if (last ? forget(dropped_tokens_, token) : is_dropped(token)) return drop(h.length);  // its receive was cancelled
     return fail_plan();
@@ -1508,7 +1577,15 @@ class engine {
     reply_slot* s = take_slot();
     if (s == nullptr) return pause_reading();
     auto len = static_cast<std::size_t>(h.length);
-    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::write, can_stage());
+    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::write, can_stage() || device_direct_);
+    if (l && l->on_device() && len != 0 && device_direct_) {
+      // GPUDirect: the NIC writes the exposed device memory.
+      s->lease = std::move(*l);
+      target t{target::serve_put};
+      t.s = s;
+      t.id = h.id;
+      return place(t, s->lease.data(), len, 0, s->lease.device());
+    }
     if (l && l->on_device() && len != 0) {
       // Into device memory: through a bounce buffer, then a copy; the ack
       // follows the copy. A request larger than a bounce buffer (the peer
@@ -1539,7 +1616,14 @@ class engine {
     reply_slot* s = take_slot();
     if (s == nullptr) return pause_reading();
     auto len = static_cast<std::size_t>(h.size);
-    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::read, can_stage());
+    result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::read, can_stage() || device_direct_);
+    if (l && l->on_device() && len != 0 && device_direct_) {
+      // GPUDirect: the NIC reads the exposed device memory.
+      ++stats_->served_gets;
+      s->lease = std::move(*l);
+      send_answer(s, msg::get_reply, h.id, status::ok, s->lease.data(), len, s->lease.device());
+      return consumed();
+    }
     if (l && l->on_device() && len != 0) {
       // From device memory: copied into a bounce buffer, sent from there.
       if (len <= chunk_ && !ensure_pool(tx_, true)) {
@@ -1592,7 +1676,7 @@ class engine {
     if (h.length != o->size_) return fail_plan();  // not what was asked for
     o->stage_ = op::stage::placing;
     o->placing_ = true;
-    return place({target::op_payload, o}, o->data_, o->size_, 0);
+    return place({target::op_payload, o}, o->data_, o->size_, 0, o->nic_dev_);
   }
 
 
@@ -1609,6 +1693,32 @@ class engine {
   // (`copy_done`). An op finishes only once none of its copies runs and it
   // holds no slot.
 
+  // ---------------------------------------------------------------- GPUDirect
+  //
+  // On a GPUDirect endpoint the transport's NIC reads and writes `Device`
+  // memory itself, so nothing is staged; instead the CPU must never touch
+  // it. The engine keeps it out of every frame the CPU would copy (a send
+  // from Device memory announces itself at any size; a Device receive
+  // refuses eager bytes) and marks what only the NIC may move: frames
+  // (`frame::nic_only`, `frame::device`) and placements (`rx_plan::device`).
+
+  /// Marks `f` as carrying or naming memory only the NIC may move.
+  static void mark_nic(frame& f, int device, bool nic_only) noexcept {
+    f.nic_only = nic_only;
+    f.device = static_cast<std::int8_t>(device < 0 ? -1 : device);
+  }
+
+  /// A GPUDirect Device receive cannot take `len` eager bytes (they are in
+  /// host memory already, and only the CPU could copy them): it fails with
+  /// this reason, and the message waits for another receive.
+  static bool refuses_eager(op& r, std::size_t len) noexcept {
+    if (r.nic_dev_ < 0 || std::min(len, r.size_) == 0) return false;
+    r.what_ = "a Device receive on a GPUDirect endpoint takes only messages the NIC writes into it (rendezvous, "
+              "above the sender's rendezvous_threshold, or any send from Device memory); this message came eager, "
+              "through host memory, and stays receivable into host memory";
+    return true;
+  }
+
   /// This side can serve device memory (it has a copy engine).
   bool can_stage() const noexcept { return copy_engine::of(*sched_) != nullptr; }
 
@@ -1621,6 +1731,7 @@ class engine {
   /// The largest message `o` sends eager: the threshold, and from device
   /// memory within one bounce buffer (copied out whole, then sent).
   std::size_t eager_limit(const op& o) const noexcept {
+    if (o.nic_dev_ >= 0) return 0;  // GPUDirect: the CPU never reads it into a frame
     std::size_t e = opts_.rendezvous_threshold;
     if (o.dev_ >= 0) e = std::min(e, chunk_);
     return e;
@@ -1630,8 +1741,9 @@ class engine {
   /// a copy engine and its bounce buffers.
   std::error_code staging_check(op& o) noexcept {
     const bool staged = o.staged();
-    if (refused_ & (staged ? refuse_device : refuse_host)) {
-      o.what_ = staged ? "this endpoint's forced path excludes device memory (the staged path)"
+    const bool device = staged || o.nic_dev_ >= 0 || o.remote_nic_;
+    if (refused_ & (device ? refuse_device : refuse_host)) {
+      o.what_ = device ? "this endpoint's forced path excludes device memory"
                        : "this endpoint's forced path excludes host memory";
       return errc::unsupported;
     }
@@ -2284,7 +2396,7 @@ class engine {
   }
 
   void send_answer(reply_slot* s, msg type, std::uint64_t id, status st, const std::byte* payload,
-                   std::size_t len) noexcept {
+                   std::size_t len, int device = -1) noexcept {
     if (error_) {
       free_slot(s);
       return;
@@ -2296,6 +2408,7 @@ class engine {
     f.hdr.id = id;
     f.hdr.length = len;
     f.payload = payload;
+    mark_nic(f, device, device >= 0);
     link_post(f);
   }
 
@@ -2357,6 +2470,7 @@ class engine {
   std::size_t chunk_ = 0;          // bytes per bounce buffer
   std::uint64_t peer_seg_ = 0;     // the peer's chunk (its hello), 0: no limit
   std::uint8_t refused_ = 0;       // rows a forced path excludes (refuse_host, refuse_device)
+  bool device_direct_ = false;     // GPUDirect: Device memory is moved by the transport's NIC, not staged
   std::size_t copies_ = 0;         // copies in flight (ops' and served requests')
   stage_pool tx_{};
   stage_pool rx_{};

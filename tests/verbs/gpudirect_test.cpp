@@ -3,11 +3,21 @@
 // GPU machine without a NIC it reads the GPU's attributes and then refuses
 // at the NIC check; without a GPU it refuses at the driver check. Either way
 // the refusal names its check and a zero-copy Device endpoint is not made.
+//
+// The registration route's GPU half runs here too: device memory exported
+// as a dma-buf (what `ibv_reg_dmabuf_mr` is then given), at the offset of
+// an address that is not page-aligned.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include <gdr/transport/verbs/gpudirect.hpp>
+
+#include "tests/support/skip.hpp"
 
 namespace {
 
@@ -55,4 +65,42 @@ TEST_CASE("the probe of a pair runs once: the same report comes back") {
   const auto& b = gdr::verbs::probe_gpudirect(0, nullptr);
   CHECK(&a == &b);
   CHECK_FALSE(a.available);
+}
+
+TEST_CASE("device memory exports as a dma-buf of whole pages, with the address's offset in it") {
+  if (!has_cuda_driver()) GDR_SKIP("no CUDA driver or GPU here");
+  const auto& cu = gdr::verbs::detail::load_cuda_driver();
+  gdr::verbs::detail::CUdevice_t dev = 0;
+  void* ctx = nullptr;
+  REQUIRE(cu.cuDeviceGet(&dev, 0) == 0);
+  REQUIRE(cu.cuDevicePrimaryCtxRetain(&ctx, dev) == 0);
+  REQUIRE(cu.cuCtxSetCurrent(ctx) == 0);
+  gdr::verbs::detail::CUdeviceptr_t p = 0;
+  REQUIRE(cu.cuMemAlloc(&p, std::size_t{3} << 20) == 0);
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uintptr_t addr = p + 12345;
+  auto d = gdr::verbs::detail::export_dmabuf(addr, 100000);
+  int gpu_dma_buf = 0;
+  cu.cuDeviceGetAttribute(&gpu_dma_buf, gdr::verbs::detail::cu_attr_dma_buf_supported, dev);
+  if (gpu_dma_buf == 0) {
+    CHECK_FALSE(d);  // the driver cannot export: the registration fails, loudly
+  } else {
+    REQUIRE(d);
+    CHECK(d->fd >= 0);
+    CHECK(d->offset == addr % page);
+    CHECK(d->length % page == 0);
+    CHECK(d->length >= d->offset + 100000);
+    CHECK(d->length < d->offset + 100000 + page);
+    // A dma-buf tells its size.
+    off_t size = ::lseek(d->fd, 0, SEEK_END);
+    MESSAGE("dma-buf of " << d->length << " bytes at offset " << d->offset << ": lseek says " << size);
+    if (size >= 0) CHECK(static_cast<std::uint64_t>(size) == d->length);
+    ::close(d->fd);
+  }
+  // Host memory is not device memory: the route refuses it.
+  std::vector<std::byte> h(4096);
+  auto e = gdr::verbs::detail::export_dmabuf(reinterpret_cast<std::uintptr_t>(h.data()), h.size());
+  CHECK_FALSE(e);
+  cu.cuMemFree(p);
+  cu.cuDevicePrimaryCtxRelease(dev);
 }

@@ -116,6 +116,9 @@ struct device_queue {
   std::unique_ptr<mr_cache> recv_mrs;
   std::unique_ptr<mr_cache> send_mrs;
   std::unique_ptr<mr_cache> read_mrs;
+  /// GPU memory of GPUDirect endpoints (all access flags; made by the first
+  /// such endpoint, with its probe's route).
+  std::unique_ptr<mr_cache> device_mrs;
 };
 
 namespace detail {
@@ -276,6 +279,7 @@ class cq_poller final : public poller {
       d->recv_mrs.reset();
       d->send_mrs.reset();
       d->read_mrs.reset();
+      d->device_mrs.reset();
       if (d->unacked != 0) ibv_ack_cq_events(d->cq, d->unacked);
       if (d->cq != nullptr && ibv_destroy_cq(d->cq) != 0) std::perror("gdr verbs: ibv_destroy_cq");
       if (d->channel != nullptr) ibv_destroy_comp_channel(d->channel);

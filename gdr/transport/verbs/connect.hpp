@@ -19,6 +19,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -211,10 +212,27 @@ inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_vie
     (*c)->discard();
     throw gdr::error(ec, "gdr::verbs::connect: rdma_connect");
   }
-  result<detail::cm_event> est = co_await detail::expect(s, ch, RDMA_CM_EVENT_ESTABLISHED, "connect");
+  result<detail::cm_event> est = co_await detail::next_event(s, ch);
+  if (est && est->type == RDMA_CM_EVENT_REJECTED && est->has_params && gdr::detail::verbs::params_ok(est->peer)) {
+    // The listener said why in its private data: the ends disagree.
+    if (const char* why = gdr::detail::verbs::params_disagree(mine, est->peer)) {
+      (*c)->discard();
+      throw gdr::error(errc::gpudirect_unavailable, why);
+    }
+  }
+  if (est && est->type != RDMA_CM_EVENT_ESTABLISHED) {
+    std::fprintf(stderr, "gdr::verbs: connect: got %s (status %d)\n", rdma_event_str(est->type), est->status);
+    est = est->type == RDMA_CM_EVENT_REJECTED      ? errno_code(ECONNREFUSED)
+          : est->type == RDMA_CM_EVENT_UNREACHABLE ? errno_code(EHOSTUNREACH)
+                                                   : std::error_code(errc::connection_lost);
+  }
   if (!est || !est->has_params || !gdr::detail::verbs::params_ok(est->peer)) {
     (*c)->discard();
     throw gdr::error(est ? std::error_code(errc::protocol_error) : est.error(), "gdr::verbs::connect: establishing");
+  }
+  if (const char* why = gdr::detail::verbs::params_disagree(mine, est->peer)) {
+    (*c)->discard();
+    throw gdr::error(errc::gpudirect_unavailable, why);
   }
   (*c)->start(est->peer);
   co_return endpoint(*c);
@@ -270,6 +288,17 @@ class listener {
         rdma_destroy_id(id);
         if (ch != nullptr) rdma_destroy_event_channel(ch);
         throw gdr::error(ec, "gdr::verbs::listener::accept: event channel");
+      }
+      gdr::detail::verbs::conn_params flags;  // what this side would say about GPUDirect
+      if (opts_.gpudirect) flags.flags |= gdr::detail::verbs::conn_params::flag_gpudirect;
+      if (const char* why = gdr::detail::verbs::params_disagree(flags, req->peer)) {
+        // Refused with this side's parameters, so that the peer says why too.
+        flags.rx_depth = req->peer.rx_depth;
+        flags.buffer_size = req->peer.buffer_size;
+        rdma_reject(id, &flags, sizeof flags);
+        rdma_destroy_id(id);
+        rdma_destroy_event_channel(ch);
+        throw gdr::error(errc::gpudirect_unavailable, why);
       }
       std::error_code ec = detail::apply_id_options(id, opts_);
       std::string who = "accepted";

@@ -181,6 +181,7 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t credit_messages = 0; ///< credit-only SENDs
   std::uint64_t credit_stalls = 0;   ///< times a frame waited for credits
   std::uint64_t registrations = 0;   ///< users' buffers registered (or found cached)
+  std::uint64_t device_registrations = 0;  ///< ... of which GPU memory (GPUDirect)
   std::uint64_t registration_failures = 0;  ///< ... that could not be: bounce buffers instead
   std::uint64_t keepalives = 0;      ///< keepalive probes sent
   std::uint64_t signaled_wrs = 0;    ///< send-queue work requests that asked for a completion
@@ -199,11 +200,29 @@ using proto::frame;
 struct conn_params {
   std::uint32_t magic = 0x56524447u;  // "GDRV"
   std::uint16_t version = 2;  // 2: puts and gets by RDMA READ and WRITE
-  std::uint16_t flags = 0;
+  std::uint16_t flags = 0;    // flag_gpudirect
   std::uint32_t rx_depth = 0;
   std::uint32_t buffer_size = 0;
+
+  /// The endpoint moves `Device` memory with its NIC (GPUDirect). Both ends
+  /// must agree: a staging end would send and want `Device` bytes through
+  /// bounce buffers, which a GPUDirect end never copies.
+  static constexpr std::uint16_t flag_gpudirect = 1;
 };
 static_assert(sizeof(conn_params) == 16);
+
+/// Why two ends' parameters cannot make a connection (null: they can).
+inline const char* params_disagree(const conn_params& mine, const conn_params& peer) noexcept {
+  bool a = (mine.flags & conn_params::flag_gpudirect) != 0;
+  bool b = (peer.flags & conn_params::flag_gpudirect) != 0;
+  if (a && !b)
+    return "gdr::verbs: the peer's endpoint stages Device memory (it was made without endpoint_options::gpudirect), "
+           "this one moves it with the NIC: make both ends with the same endpoint_options::gpudirect";
+  if (!a && b)
+    return "gdr::verbs: the peer's endpoint moves Device memory with the NIC (endpoint_options::gpudirect), this one "
+           "stages it: make both ends with the same endpoint_options::gpudirect";
+  return nullptr;
+}
 
 inline bool params_ok(const conn_params& p) noexcept {
   return p.magic == 0x56524447u && p.version == 2 && p.rx_depth >= 2 && p.buffer_size >= 256;
@@ -304,6 +323,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     cm_watch_.self = this;
     cm_watch_.complete = &on_cm_readable;
     poller_ = &gdr::verbs::cq_poller::acquire(s);
+    if (vopts_.gpudirect) {
+      // The endpoint's decide() has found the probe's yes (it refuses a no).
+      gpudirect_ = &gdr::verbs::probe_gpudirect(vopts_.gpu, id->verbs);
+      set_device_direct(true);
+    }
     try {
       setup();
     } catch (...) {
@@ -337,8 +361,13 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     conn_params p;
     p.rx_depth = static_cast<std::uint32_t>(rx_n_);
     p.buffer_size = static_cast<std::uint32_t>(buf_);
+    if (gpudirect_ != nullptr) p.flags |= conn_params::flag_gpudirect;
     return p;
   }
+
+  /// What the GPUDirect probe found for this endpoint's GPU and NIC (null:
+  /// not a GPUDirect endpoint).
+  const gdr::verbs::gpudirect_report* gpudirect() const noexcept { return gpudirect_; }
 
   ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
   /// Forgets the cached registrations overlapping the range (all three
@@ -346,7 +375,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// when that transfer ends. Returns how many were dropped.
   std::size_t invalidate_registrations(const void* addr, std::size_t len) noexcept {
     if (dq_ == nullptr) return 0;
-    return recv_cache().invalidate(addr, len) + send_cache().invalidate(addr, len) + read_cache().invalidate(addr, len);
+    std::size_t n = recv_cache().invalidate(addr, len) + send_cache().invalidate(addr, len) +
+                    read_cache().invalidate(addr, len);
+    if (dq_->device_mrs) n += dq_->device_mrs->invalidate(addr, len);
+    return n;
   }
   rdma_cm_id* cm_id() const noexcept { return id_; }
   const endpoint_stats& stats() const noexcept { return stats_; }
@@ -388,6 +420,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::size_t read_bytes = 0; // ... of this many bytes
     std::byte* buf = nullptr;   // this slot's bounce buffer
     gdr::verbs::mr_cache::lease lease{};  // the RDMA source's registration
+    gdr::verbs::mr_cache* lease_cache = nullptr;  // ... and its cache
     const std::byte* lease_addr = nullptr;
     std::size_t lease_len = 0;
     tx_slot* next_free = nullptr;
@@ -412,6 +445,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     const std::byte* addr;
     std::size_t len;
     gdr::verbs::mr_cache::lease lease;
+    gdr::verbs::mr_cache* cache;  // the lease's
     frame* f;        // the frame that carried the key: held (no on_sent) until both below
     bool sent;       // its SEND completed
     bool done;       // the peer is done with the memory: the data or the answer arrived
@@ -436,6 +470,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint64_t raddr = 0;
     std::uint32_t rkey = 0;
     gdr::verbs::mr_cache::lease lease{};  // dst's registration; without one, READs go through a send slot
+    gdr::verbs::mr_cache* cache = nullptr;  // the lease's
   };
   struct kick_node : remote_work {
     connection* self = nullptr;
@@ -457,6 +492,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (!dq) throw gdr::error(dq.error(), "gdr::verbs: completion queue");
     dq_ = *dq;
     reserved_ = entries;
+    if (gpudirect_ != nullptr && !dq_->device_mrs)
+      dq_->device_mrs = std::make_unique<gdr::verbs::mr_cache>(
+          gdr::verbs::mr_backend{dq_->pd, gdr::verbs::device_access, gdr::verbs::route_of(*gpudirect_)});
     rx_mem_.reset(new (std::align_val_t{4096}) std::byte[rx_n_ * buf_]);
     tx_mem_.reset(new (std::align_val_t{4096}) std::byte[tx_n_ * buf_]);
     auto rxm = gdr::verbs::owned_mr::make(dq_->pd, rx_mem_.get(), rx_n_ * buf_, IBV_ACCESS_LOCAL_WRITE);
@@ -555,6 +593,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     // is not decided yet (0: a put or get request decides when it is posted).
     f.encoded[0] = std::byte{0};
     if (f.hdr.type == proto::msg::rtr) attach_receive(f);
+    if (failed()) {  // a Device receive that could not be registered
+      drop(f);
+      kick();
+      return;
+    }
     f.where = in_tx;
     tx_.push_back(&f);
     if (established_) pump_tx();
@@ -822,6 +865,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       case proto::rx_plan::action::fail: return protocol_fail();
       case proto::rx_plan::action::place: break;
     }
+    if (plan.device >= 0 && plan.want != 0 && !by_read)
+      return gpudirect_fail("the peer sent bytes for Device memory in SENDs, which the CPU would have to copy");
     if (answers_grant) settle(h.type == proto::msg::put_ack ? grant_kind::put : grant_kind::get, h.id);
     // A rendezvous message that came as SENDs although the receive offered
     // its key (the sender could not register its side): no WRITE will come.
@@ -831,7 +876,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         on_placed(false);  // refused, or empty: nothing to read
         return !failed();
       }
-      start_read(plan.dst, plan.want, w.raddr, w.rkey);
+      start_read(plan.dst, plan.want, w.raddr, w.rkey, plan.device);
       return !failed();
     }
     std::size_t take = std::min(avail, plan.want);
@@ -880,7 +925,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (plan.act == proto::rx_plan::action::fail) return protocol_fail();
     // The engine places the bytes where the receive's (the get's) view is:
     // where the peer wrote them. A dropped one (cancelled receive) has no dst.
-    if (plan.want != 0 && plan.dst != w->addr) std::memmove(plan.dst, w->addr, plan.want);
+    if (plan.want != 0 && plan.dst != w->addr) {
+      if (plan.device >= 0) return gpudirect_fail("RDMA data for Device memory landed elsewhere");
+      std::memmove(plan.dst, w->addr, plan.want);
+    }
     ++stats_.rdma_received;
     w->done = true;
     on_placed(true);
@@ -911,9 +959,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     on_sent(*f, {});
   }
 
-  void release_grant(grant& g) noexcept {
-    release_lease(g.lease, g.addr, g.len, g.kind == grant_kind::put ? read_cache() : recv_cache());
-  }
+  void release_grant(grant& g) noexcept { release_lease(g.lease, g.addr, g.len, *g.cache); }
 
   /// The grant a frame carries the key of (encoded[0] == 1), or end().
   std::vector<grant>::iterator grant_of(const frame& f) noexcept {
@@ -943,34 +989,42 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (f.owner == nullptr || f.hdr.size == 0 || f.hdr.key != 0) return;
     std::byte* dst = f.owner->buffer_data();
     auto len = static_cast<std::size_t>(f.hdr.size);
-    add_grant(f, grant_kind::recv, f.hdr.addr, dst, len);
+    add_grant(f, grant_kind::recv, f.hdr.addr, dst, len, f.device);
+    if (f.nic_only && f.encoded[0] != std::byte{1})
+      gpudirect_fail("cannot register the memory of a Device receive with the NIC");
   }
 
   /// A put or get request about to go out for the first time: if its bytes
   /// do not fit one SEND, register the initiator's memory and send its key,
   /// so that the target's NIC moves them (READ of a put's source, WRITE of
   /// a get's reply) and no CPU copies them on either side. Only an
-  /// operation of its own (not a staged segment) on host memory; the frame
-  /// is then held until the answer has come.
-  void attach_request(frame& f) noexcept {
+  /// operation of its own (not a staged segment); the frame is then held
+  /// until the answer has come. GPUDirect: a request whose bytes only the
+  /// NIC may move (`nic_only`) carries its key at any size, or fails the
+  /// connection. False: it failed.
+  bool attach_request(frame& f) noexcept {
     f.encoded[0] = std::byte{2};
-    if (f.owner == nullptr || f.sslot != nullptr || f.slot != nullptr) return;
+    if (f.owner == nullptr || f.sslot != nullptr || f.slot != nullptr) return true;
     bool put = f.hdr.type == proto::msg::put_request;
     auto len = static_cast<std::size_t>(put ? f.hdr.length : f.hdr.size);
-    if (len <= frag_ - wire_size) return;
+    if (len == 0 || (len <= frag_ - wire_size && !f.nic_only)) return true;
     const std::byte* addr = put ? f.payload : f.owner->buffer_data();
-    add_grant(f, put ? grant_kind::put : grant_kind::get, f.hdr.id, addr, len);
+    add_grant(f, put ? grant_kind::put : grant_kind::get, f.hdr.id, addr, len, f.device);
+    if (f.nic_only && f.encoded[0] != std::byte{1})
+      return gpudirect_fail("cannot register the memory of a put or get whose bytes only the NIC may move");
+    return true;
   }
 
-  void add_grant(frame& f, grant_kind kind, std::uint64_t token, const std::byte* addr, std::size_t len) noexcept {
-    auto l = register_user(kind == grant_kind::put ? read_cache() : recv_cache(), addr, len);
+  void add_grant(frame& f, grant_kind kind, std::uint64_t token, const std::byte* addr, std::size_t len,
+                 int device) noexcept {
+    gdr::verbs::mr_cache& cache = cache_for(device, kind == grant_kind::put ? read_cache() : recv_cache());
+    auto l = register_user(cache, addr, len, device);
     if (!l) {
       ++stats_.registration_failures;
       return;
     }
-    ++stats_.registrations;
     try {
-      grants_.push_back({kind, token, addr, len, std::move(*l), &f, false, false});
+      grants_.push_back({kind, token, addr, len, std::move(*l), &cache, &f, false, false});
     } catch (...) {
       return;
     }
@@ -984,11 +1038,28 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     return read ? 0 : static_cast<std::size_t>(f.hdr.length);
   }
 
-  /// A user's buffer registered (or found cached), within the limit.
-  result<gdr::verbs::mr_cache::lease> register_user(gdr::verbs::mr_cache& cache, const void* addr,
-                                                    std::size_t len) noexcept {
-    if (vopts_.registration_limit != 0 && len > vopts_.registration_limit) return errno_code(E2BIG);
-    return cache.acquire(addr, len);
+  /// A user's buffer registered (or found cached), within the limit (host
+  /// memory only: GPU memory has no other way to go). `device`: the GPU
+  /// whose memory it is, or -1.
+  result<gdr::verbs::mr_cache::lease> register_user(gdr::verbs::mr_cache& cache, const void* addr, std::size_t len,
+                                                    int device) noexcept {
+    if (device < 0 && vopts_.registration_limit != 0 && len > vopts_.registration_limit) return errno_code(E2BIG);
+    auto l = cache.acquire(addr, len);
+    if (l) {
+      ++stats_.registrations;
+      if (device >= 0) ++stats_.device_registrations;
+    } else if (device >= 0) {
+      std::fprintf(stderr, "gdr verbs: registering %zu bytes of GPU %d memory failed: %s\n", len, device,
+                   l.error().message().c_str());
+    }
+    return l;
+  }
+
+  /// The cache of memory of GPU `device` (-1: `host`, the host cache for
+  /// the access needed). On a GPUDirect endpoint a `Device` view's memory
+  /// is GPU memory; elsewhere no frame names a device.
+  gdr::verbs::mr_cache& cache_for(int device, gdr::verbs::mr_cache& host) noexcept {
+    return device >= 0 && dq_->device_mrs ? *dq_->device_mrs : host;
   }
 
   gdr::verbs::mr_cache& recv_cache() noexcept { return *dq_->recv_mrs; }
@@ -1116,7 +1187,12 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       switch (f.hdr.type) {
         case proto::msg::data: {
           auto r = find_remote(false, f.hdr.addr);
-          if (r == remotes_.end()) break;
+          if (r == remotes_.end()) {
+            if (f.nic_only && f.hdr.length != 0)
+              return gpudirect_fail("the receive of a send from Device memory offered no key (it could not "
+                                    "register its memory): the bytes cannot move without the CPU");
+            break;
+          }
           // A segment (a staged sender's chunk) lands at its offset; only
           // the message's last one carries the immediate.
           bool last = (f.hdr.flags & proto::flag::last) != 0;
@@ -1127,11 +1203,16 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
           }
           if (res == 0) return false;  // waits for resources
           remotes_.erase(r);            // could not register: SENDs instead
+          if (f.nic_only) return gpudirect_fail("cannot register the Device memory of a send with the NIC");
           break;
         }
         case proto::msg::get_reply: {
           auto r = find_remote(true, f.hdr.id);
-          if (r == remotes_.end()) break;
+          if (r == remotes_.end()) {
+            if (f.nic_only && f.hdr.st == proto::status::ok && f.hdr.length != 0)
+              return gpudirect_fail("a get of exposed Device memory came without the key of its destination");
+            break;
+          }
           if (f.hdr.st == proto::status::ok && f.hdr.length != 0) {
             // Straight from the exposed memory into the get's destination;
             // the immediate is the answer.
@@ -1139,6 +1220,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
             if (res == 0) return false;
             remotes_.erase(r);
             if (res > 0) return true;
+            if (f.nic_only) return gpudirect_fail("cannot register exposed Device memory with the NIC");
             break;  // could not register: the reply goes as SENDs
           }
           remotes_.erase(r);  // a refusal: the answer goes as a SEND
@@ -1146,7 +1228,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         }
         case proto::msg::put_request:
         case proto::msg::get_request:
-          if (f.encoded[0] == std::byte{0}) attach_request(f);
+          if (f.encoded[0] == std::byte{0} && !attach_request(f)) return false;
           break;
         default: break;
       }
@@ -1204,12 +1286,12 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (!credit_for(false)) ++stats_.credit_stalls;
       return 0;
     }
-    auto l = register_user(send_cache(), f.payload, len);
+    gdr::verbs::mr_cache& cache = cache_for(f.device, send_cache());
+    auto l = register_user(cache, f.payload, len, f.device);
     if (!l) {
       ++stats_.registration_failures;
       return -1;
     }
-    ++stats_.registrations;
     tx_slot* t = take_tx();
     ibv_send_wr wrs[max_write_wrs];
     ibv_sge sges[max_write_wrs];
@@ -1222,6 +1304,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     t->covered = static_cast<std::uint32_t>(nwr);
     t->rdma = true;
     t->lease = std::move(*l);
+    t->lease_cache = &cache;
     t->lease_addr = f.payload;
     t->lease_len = len;
     if (!post_send_wrs(wrs, nwr, t)) return 0;  // failed: link_shutdown hands f back
@@ -1245,7 +1328,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     int rc = ibv_post_send(id_->qp, wrs, &bad);  // returns an errno value
     if (rc != 0) {
       // The frame stays where it is (on tx_): the failure hands it back.
-      release_lease(t->lease, t->lease_addr, t->lease_len, send_cache());
+      if (t->lease) release_lease(t->lease, t->lease_addr, t->lease_len, *t->lease_cache);
       free_tx(t);
       if (!failed()) on_link_failed(errno_code(rc));
       return false;
@@ -1280,6 +1363,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// down once it has it.
   bool post_sends(frame& f) noexcept {
     std::size_t len = sent_bytes(f);
+    // GPUDirect: bytes only the NIC may move never go into a SEND (the CPU
+    // would read them). post_frame has failed the connection before this
+    // for every known case; this is the last line.
+    if (f.nic_only && len != 0 && !f.sealed) return gpudirect_fail("Device bytes were about to be copied into a SEND");
     const std::size_t room = frag_ - wire_size;
     const bool ends_at_post = f.encoded[0] != std::byte{1} && f.hdr.type != proto::msg::close;
     for (;;) {
@@ -1410,7 +1497,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     bool read = t.read;
     std::size_t read_bytes = t.read_bytes;
     const std::byte* slot_buf = t.buf;  // not written again before read_done: nothing posts in between
-    release_lease(t.lease, t.lease_addr, t.lease_len, send_cache());
+    if (t.lease) release_lease(t.lease, t.lease_addr, t.lease_len, *t.lease_cache);
     free_held(t.held);
     free_tx(&t);
     std::error_code ec;
@@ -1447,7 +1534,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// The put being served reads its payload (`len` bytes from the peer's
   /// `raddr`) into `dst`: straight into it if it can be registered, else
   /// through a send slot, one buffer at a time.
-  void start_read(std::byte* dst, std::size_t len, std::uint64_t raddr, std::uint32_t rkey) noexcept {
+  void start_read(std::byte* dst, std::size_t len, std::uint64_t raddr, std::uint32_t rkey, int device) noexcept {
     rd_.active = true;
     rd_.posted = rd_.aborted = false;
     rd_.dst = dst;
@@ -1455,11 +1542,17 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     rd_.done = 0;
     rd_.raddr = raddr;
     rd_.rkey = rkey;
-    if (auto l = register_user(recv_cache(), dst, len)) {
-      ++stats_.registrations;
+    rd_.cache = &cache_for(device, recv_cache());
+    if (auto l = register_user(*rd_.cache, dst, len, device)) {
       rd_.lease = std::move(*l);
     } else {
       ++stats_.registration_failures;
+      if (device >= 0) {
+        // Through a send slot, the CPU would copy into GPU memory.
+        end_read();
+        gpudirect_fail("cannot register exposed Device memory with the NIC for a put");
+        return;
+      }
     }
     post_read();
   }
@@ -1519,7 +1612,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   void end_read() noexcept {
-    release_lease(rd_.lease, rd_.dst, rd_.len, recv_cache());
+    if (rd_.lease) release_lease(rd_.lease, rd_.dst, rd_.len, *rd_.cache);
     rd_ = pending_read{};
   }
 
@@ -1613,6 +1706,17 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     return false;
   }
 
+  /// GPUDirect: bytes only the NIC may move cannot be moved by it. Loud,
+  /// and never a copy instead: the connection fails, and every pending
+  /// operation with it (`errc::gpudirect_unavailable`).
+  bool gpudirect_fail(const char* why) noexcept {
+    if (!failed()) {
+      std::fprintf(stderr, "gdr verbs: %s: GPUDirect: %s: the connection fails\n", peer_name().c_str(), why);
+      on_link_failed(errc::gpudirect_unavailable);
+    }
+    return false;
+  }
+
   void fail_wc(const ibv_wc& wc) noexcept {
     if (wc.status != IBV_WC_WR_FLUSH_ERR)
       std::fprintf(stderr, "gdr verbs: %s: work completion failed: %s\n", peer_name().c_str(),
@@ -1655,6 +1759,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   rdma_cm_id* id_;
   rdma_event_channel* ch_;
   endpoint_options vopts_;
+  const gdr::verbs::gpudirect_report* gpudirect_ = nullptr;  // a GPUDirect endpoint's probe
   endpoint_stats stats_{};
   gdr::verbs::cq_poller* poller_ = nullptr;
   gdr::verbs::device_queue* dq_ = nullptr;

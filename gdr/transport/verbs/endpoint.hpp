@@ -27,11 +27,15 @@
 /// Memory spaces: `Host` and `Pinned` move zero-copy. `Device` rows are
 /// `probed`: an endpoint made with `endpoint_options::gpudirect` runs the
 /// probe of its GPU and NIC (`gdr/transport/verbs/gpudirect.hpp`) and is not
-/// made if it fails (`errc::gpudirect_unavailable`, naming the check); it is
-/// not made either when the probe says yes, because the zero-copy data path
-/// for device memory is not built yet (`errc::unsupported`, saying so). An
+/// made if it fails (`errc::gpudirect_unavailable`, naming the check). If
+/// it passes, the NIC moves `Device` memory itself (registered through a
+/// dma-buf or nvidia-peermem), and every byte of it goes by RDMA:
+/// `transfer_path::gpudirect_rdma`. The CPU never touches it; where it
+/// would have to, the operation or the connection fails with
+/// `errc::gpudirect_unavailable` (see docs/VERBS.md, "GPU memory"). An
 /// endpoint made without it stages `Device` memory through the protocol
-/// layer's pipeline (`staged-pinned`), and `GDR_LOG=path` says so.
+/// layer's pipeline (`staged-pinned`), and `GDR_LOG=path` says so. Both
+/// ends of a connection must agree on `gpudirect`.
 ///
 /// Liveness: see `gdr/transport/verbs/connection.hpp` ("Failure").
 #pragma once
@@ -101,6 +105,10 @@ class endpoint : public basic_endpoint<transport> {
   std::size_t invalidate_registrations(const void* addr, std::size_t len) noexcept {
     return conn() != nullptr ? conn()->invalidate_registrations(addr, len) : 0;
   }
+  /// What the GPUDirect probe found for this endpoint's GPU and NIC (its
+  /// route: "dma-buf" or "peermem"; `needs_flush`), or null when the
+  /// endpoint was made without `endpoint_options::gpudirect`.
+  const gpudirect_report* gpudirect() const noexcept { return conn() != nullptr ? conn()->gpudirect() : nullptr; }
   /// The queue pair, for diagnostics and fault injection in tests.
   ibv_qp* native_qp() const noexcept { return conn() != nullptr ? conn()->qp() : nullptr; }
 
@@ -109,10 +117,10 @@ class endpoint : public basic_endpoint<transport> {
   /// (`engine::refuse_host`, `engine::refuse_device`):
   ///   * host rows: zero-copy;
   ///   * `Device` rows, with `o.gpudirect`: the probe of GPU `o.gpu` and
-  ///     `nic` decides, and a no fails the set-up (`errc::gpudirect_unavailable`,
-  ///     never a fallback to staging). The GPUDirect data path itself
-  ///     (registering device memory with the NIC) is not built yet, so a yes
-  ///     fails it too (`errc::unsupported`, saying so);
+  ///     `nic` decides: a yes makes them zero-copy (`gpudirect-rdma`), a no
+  ///     fails the set-up (`errc::gpudirect_unavailable`, never a fallback
+  ///     to staging), and so does a GPU whose NIC writes need a flush
+  ///     (`needs_flush`: not implemented, so never silently unsafe);
   ///   * `Device` rows without `o.gpudirect`: staged through the protocol
   ///     layer's pipeline (pinned bounce buffers), the explicit choice.
   static result<std::uint8_t> decide(const endpoint_options& o, ibv_context* nic, const char* who) {
@@ -128,10 +136,25 @@ class endpoint : public basic_endpoint<transport> {
     host_rows.template operator()<Host>();
     host_rows.template operator()<Pinned>();
     if (o.gpudirect) {
-      if (!probe_gpudirect(o.gpu, nic).available) return errc::gpudirect_unavailable;
-      return errc::unsupported;  // decide_reason says why
-    }
-    if (o.protocol.force == force_path::zero_copy) {
+      const gpudirect_report& r = probe_gpudirect(o.gpu, nic);
+      if (!r.available || r.needs_flush) return errc::gpudirect_unavailable;  // decide_reason says why
+      if (o.protocol.force == force_path::staged) {
+        plan.refused |= engine::refuse_device;  // a GPUDirect endpoint does not stage
+      } else {
+        auto direct_row = [&]<class Op, class R>() {
+          path_decision d = row_decision<transport, Op, Device, R>(o.protocol.force);  // a probed row
+          d.decided = path_kind::zero_copy;
+          d.path = transfer_path::gpudirect_rdma;
+          d.endpoint = who;
+          log_path_decision(d);
+          ++plan.usable;
+        };
+        direct_row.template operator()<gdr::op::send, AnySpace>();
+        direct_row.template operator()<gdr::op::recv, AnySpace>();
+        direct_row.template operator()<gdr::op::put, Device>();
+        direct_row.template operator()<gdr::op::get, Device>();
+      }
+    } else if (o.protocol.force == force_path::zero_copy) {
       plan.refused |= engine::refuse_device;
     } else {
       auto staged_row = [&]<class Op, class R>() {
@@ -156,9 +179,12 @@ class endpoint : public basic_endpoint<transport> {
     if (o.gpudirect) {
       const gpudirect_report& r = probe_gpudirect(o.gpu, nic);
       if (!r.available) return "gdr::verbs: a zero-copy Device endpoint needs GPUDirect RDMA: " + r.reason;
-      return "gdr::verbs: GPUDirect RDMA is there, but gdr's zero-copy Device data path over verbs (device memory "
-             "registered with the NIC) is not built yet: make the endpoint without endpoint_options::gpudirect to "
-             "stage Device memory through pinned buffers";
+      if (r.needs_flush)
+        return "gdr::verbs: GPU " + std::to_string(o.gpu) + " may see " + r.nic +
+               "'s writes out of order (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING " +
+               std::to_string(r.writes_ordering) +
+               " is below OWNER) and gdr does not flush them yet: make the endpoint without "
+               "endpoint_options::gpudirect to stage Device memory through pinned buffers";
     }
     return "gdr::verbs: the forced path is not one this transport offers";
   }

@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdint>
@@ -90,6 +91,9 @@ struct cuda_driver {
   CUresult_t (*cuMemAlloc)(CUdeviceptr_t*, std::size_t) = nullptr;
   CUresult_t (*cuMemFree)(CUdeviceptr_t) = nullptr;
   CUresult_t (*cuMemGetHandleForAddressRange)(void*, CUdeviceptr_t, std::size_t, int, unsigned long long) = nullptr;
+  CUresult_t (*cuPointerGetAttribute)(void*, int, CUdeviceptr_t) = nullptr;
+  CUresult_t (*cuCtxPushCurrent)(void*) = nullptr;
+  CUresult_t (*cuCtxPopCurrent)(void**) = nullptr;
   std::string error;
 };
 
@@ -98,6 +102,7 @@ inline constexpr int cu_attr_gpu_direct_rdma_writes_ordering = 118;
 inline constexpr int cu_attr_dma_buf_supported = 124;
 inline constexpr int cu_mem_range_handle_dma_buf_fd = 1;
 inline constexpr int cu_writes_ordering_owner = 100;
+inline constexpr int cu_pointer_attribute_device_ordinal = 9;
 
 inline const cuda_driver& load_cuda_driver() {
   static cuda_driver d = [] {
@@ -123,6 +128,9 @@ inline const cuda_driver& load_cuda_driver() {
     sym(x.cuMemAlloc, "cuMemAlloc_v2");
     sym(x.cuMemFree, "cuMemFree_v2");
     sym(x.cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
+    sym(x.cuPointerGetAttribute, "cuPointerGetAttribute");
+    sym(x.cuCtxPushCurrent, "cuCtxPushCurrent_v2");
+    sym(x.cuCtxPopCurrent, "cuCtxPopCurrent_v2");
     return x;
   }();
   return d;
@@ -251,11 +259,95 @@ inline gpudirect_report run_gpudirect_probe(int gpu, ibv_context* nic) {
   return r;
 }
 
+/// A dma-buf of device memory: the descriptor (its owner closes it), and
+/// where the asked-for address lies in it.
+struct dmabuf_range {
+  int fd = -1;
+  std::uint64_t offset = 0;  ///< of the asked-for address from the dma-buf's start
+  std::size_t length = 0;    ///< bytes of the dma-buf (whole pages)
+};
+
+/// Exports the page-aligned range of device memory covering `len` bytes at
+/// `addr` as a dma-buf (`cuMemGetHandleForAddressRange` wants whole host
+/// pages), in the primary context of the GPU that owns the memory. Errors:
+/// `errc::gpudirect_unavailable` (no driver), EFAULT (not device memory),
+/// EINVAL (the driver refused the range).
+inline result<dmabuf_range> export_dmabuf(std::uintptr_t addr, std::size_t len) noexcept {
+  const cuda_driver& cu = load_cuda_driver();
+  if (!cu.error.empty() || cu.cuInit(0) != 0) return errc::gpudirect_unavailable;
+  int ordinal = -1;
+  if (cu.cuPointerGetAttribute(&ordinal, cu_pointer_attribute_device_ordinal, addr) != 0 || ordinal < 0)
+    return errno_code(EFAULT);
+  CUdevice_t dev = 0;
+  void* ctx = nullptr;
+  if (cu.cuDeviceGet(&dev, ordinal) != 0 || cu.cuDevicePrimaryCtxRetain(&ctx, dev) != 0) return errno_code(ENODEV);
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const std::uintptr_t base = addr & ~(page - 1);
+  const std::uintptr_t end = (addr + len + page - 1) & ~(page - 1);
+  int fd = -1;
+  CUresult_t rc = -1;
+  if (cu.cuCtxPushCurrent(ctx) == 0) {
+    rc = cu.cuMemGetHandleForAddressRange(&fd, base, end - base, cu_mem_range_handle_dma_buf_fd, 0);
+    void* popped = nullptr;
+    cu.cuCtxPopCurrent(&popped);
+  }
+  cu.cuDevicePrimaryCtxRelease(dev);
+  if (rc != 0 || fd < 0) return errno_code(EINVAL);
+  return dmabuf_range{fd, addr - base, end - base};
+}
+
+/// Registers `len` bytes of device memory at `addr` with `pd` through a
+/// dma-buf: `ibv_reg_dmabuf_mr` at the address's offset in it, with the
+/// device address as the I/O virtual address (so that peers name it by
+/// its address, as for host memory). The descriptor is closed again: the
+/// registration keeps the dma-buf alive.
+inline result<ibv_mr*> register_dmabuf(ibv_pd* pd, std::uintptr_t addr, std::size_t len, int access) noexcept {
+  result<dmabuf_range> d = export_dmabuf(addr, len);
+  if (!d) return d.error();
+  errno = 0;
+  ibv_mr* mr = ibv_reg_dmabuf_mr(pd, d->offset, len, addr, d->fd, access);
+  int err = errno;
+  ::close(d->fd);
+  if (mr == nullptr) return errno_code(err != 0 ? err : EINVAL);
+  return mr;
+}
+
+/// The test stand-in's switch (see `gdr::verbs::testing`).
+inline std::atomic<bool>& stand_in_flag() noexcept {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
 }  // namespace detail
+
+/// Testing the GPUDirect data path where there is no GPU
+/// ======================================================
+/// `stand_in_host_memory_for_device(true)` makes the probe say yes for
+/// every (GPU, NIC) pair, with route "host-stand-in", and device memory is
+/// then registered with plain `ibv_reg_mr`: a test hands the endpoints
+/// `Device` views of host memory (`gdr::view<T, gdr::Device>(ptr, n, 0)`)
+/// and gets the real verbs data path of a GPUDirect endpoint, every byte
+/// moved by the NIC. Made `PROT_NONE` after its registration is cached,
+/// such memory faults on any CPU access while the NIC still reaches it: a
+/// test of "the CPU never touches Device memory". Never for production:
+/// nothing checks that the memory is host memory.
+namespace testing {
+inline void stand_in_host_memory_for_device(bool on) noexcept { detail::stand_in_flag() = on; }
+}  // namespace testing
 
 /// The GPUDirect probe of GPU `gpu` and NIC `nic`, run once per pair and
 /// process and cached. Thread-safe.
 inline const gpudirect_report& probe_gpudirect(int gpu, ibv_context* nic) {
+  if (detail::stand_in_flag()) {
+    static const gpudirect_report stand_in = [] {
+      gpudirect_report r;
+      r.available = true;
+      r.route = "host-stand-in";
+      r.reason = "a test stand-in: host memory plays Device memory (gdr::verbs::testing)";
+      return r;
+    }();
+    return stand_in;
+  }
   static std::mutex mu;
   static std::map<std::pair<int, std::string>, gpudirect_report> done;
   std::string name = nic != nullptr ? ibv_get_device_name(nic->device) : "";

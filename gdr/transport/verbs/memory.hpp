@@ -1,9 +1,11 @@
 /// \file
 /// Registration of memory with an RDMA device: the backends a
 /// `gdr::registration_cache` registers through (host memory with
-/// `ibv_reg_mr`; device memory with `ibv_reg_dmabuf_mr` on a dma-buf, see
+/// `ibv_reg_mr`; device memory with `ibv_reg_dmabuf_mr` on a dma-buf, or
+/// `ibv_reg_mr` through nvidia-peermem, see
 /// `gdr/transport/verbs/gpudirect.hpp`), and the caches a scheduler keeps per
-/// device, keyed by address range and by memory space.
+/// device, keyed by address range and by memory space (host memory in
+/// three, by access; GPU memory of GPUDirect endpoints in a fourth).
 ///
 /// What is registered when
 /// =======================
@@ -30,8 +32,12 @@
 ///   endpoint's `invalidate_registrations(addr, len)` before freeing
 ///   registered buffers.
 ///
-/// A failed registration is not an error: the transfer goes through the
-/// bounce buffers instead, and its path says so (`transfer_path::host_eager`).
+/// A failed registration of host memory is not an error: the transfer goes
+/// through the bounce buffers instead, and its path says so
+/// (`transfer_path::host_eager`). GPU memory of a GPUDirect endpoint has no
+/// such way round (the CPU must not copy it): its failed registration
+/// fails the connection with `errc::gpudirect_unavailable`, and
+/// `registration_limit` does not apply to it.
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -44,17 +50,32 @@
 
 #include <gdr/error.hpp>
 #include <gdr/memory/registration_cache.hpp>
+#include <gdr/transport/verbs/gpudirect.hpp>
 
 namespace gdr::verbs {
 
-/// A registration backend over `ibv_reg_mr` in one protection domain with
-/// fixed access flags.
+/// How memory reaches the NIC: host memory, and GPU memory through a
+/// dma-buf or through nvidia-peermem (`ibv_reg_mr` on the device address).
+enum class mr_route : std::uint8_t { host, dma_buf, peermem };
+
+/// The route of a GPUDirect probe's report ("dma-buf", "peermem"; the test
+/// stand-in's host memory: host).
+inline mr_route route_of(const gpudirect_report& r) noexcept {
+  if (r.route == "dma-buf") return mr_route::dma_buf;
+  if (r.route == "peermem") return mr_route::peermem;
+  return mr_route::host;
+}
+
+/// A registration backend in one protection domain with fixed access
+/// flags, over `ibv_reg_mr`, or `ibv_reg_dmabuf_mr` for GPU memory.
 struct mr_backend {
   using handle_type = ibv_mr*;
   ibv_pd* pd = nullptr;
   int access = 0;
+  mr_route route = mr_route::host;
 
   result<ibv_mr*> register_range(std::uintptr_t addr, std::size_t len) noexcept {
+    if (route == mr_route::dma_buf) return detail::register_dmabuf(pd, addr, len, access);
     errno = 0;
     ibv_mr* mr = ibv_reg_mr(pd, reinterpret_cast<void*>(addr), len, access);
     if (mr == nullptr) return errno_code(errno != 0 ? errno : EINVAL);
@@ -77,6 +98,10 @@ inline constexpr int local_read_access = 0;
 /// Access flags of memory a peer reads (the source of a put, which the
 /// target's NIC reads with RDMA READ). No LOCAL_WRITE either.
 inline constexpr int remote_read_access = IBV_ACCESS_REMOTE_READ;
+/// Access flags of GPU memory on a GPUDirect endpoint: one registration
+/// serves every use (receive, RDMA source, put source), as NCCL registers
+/// its buffers.
+inline constexpr int device_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
 /// One owned registration of memory the transport allocated itself.
 class owned_mr {
