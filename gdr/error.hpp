@@ -68,7 +68,7 @@ class gdr_category_impl final : public std::error_category {
       case errc::no_device: return "no usable device";
       case errc::device_error: return "device error";
       case errc::gpudirect_unavailable:
-        return "GPUDirect RDMA unavailable: a zero-copy device path was requested";
+        return "GPUDirect RDMA unavailable: a zero-copy device path was requested and cannot move these bytes";
       case errc::invalid_argument: return "invalid argument";
       case errc::unsupported: return "operation not supported";
       case errc::bootstrap_failed: return "bootstrap failed: peers could not connect";

@@ -67,6 +67,7 @@
 #include <gdr/transport/verbs/connect.hpp>
 #include <gdr/transport/verbs/connection.hpp>
 #include <gdr/transport/verbs/endpoint.hpp>
+#include <gdr/transport/verbs/flush.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 #include <gdr/verbs/probe.hpp>

@@ -10,7 +10,9 @@
 ///   * `verbs/connect.hpp`     connection set-up: `connect`, `listener`;
 ///   * `verbs/memory.hpp`      registration of memory, caches;
 ///   * `verbs/connection.hpp`  the data path: credits, SENDs, RDMA WRITEs;
-///   * `verbs/gpudirect.hpp`   the GPUDirect probe of a (GPU, NIC) pair;
+///   * `verbs/gpudirect.hpp`   the GPUDirect probe of a (GPU, NIC) pair,
+///                             dma-buf registration of GPU memory;
+///   * `verbs/flush.hpp`       the GPUDirect flush's loopback queue pair;
 ///   * `verbs/endpoint.hpp`    the endpoint and its rows of the path table.
 #pragma once
 
@@ -18,5 +20,6 @@
 #include <gdr/transport/verbs/connect.hpp>
 #include <gdr/transport/verbs/connection.hpp>
 #include <gdr/transport/verbs/endpoint.hpp>
+#include <gdr/transport/verbs/flush.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
 #include <gdr/transport/verbs/memory.hpp>

@@ -47,7 +47,9 @@ namespace {
 
 /// Turns the stand-in on for one test.
 struct stand_in {
-  stand_in() { gdr::verbs::testing::stand_in_host_memory_for_device(true); }
+  explicit stand_in(bool needs_flush = false) {
+    gdr::verbs::testing::stand_in_host_memory_for_device(true, needs_flush);
+  }
   ~stand_in() { gdr::verbs::testing::stand_in_host_memory_for_device(false); }
   stand_in(const stand_in&) = delete;
   stand_in& operator=(const stand_in&) = delete;
@@ -362,6 +364,56 @@ TEST_CASE("Device memory the NIC cannot register fails the connection loudly ins
       co_await a.close();
     });
   }
+}
+
+TEST_CASE("a GPU that needs the flush: each NIC write into Device memory ends with a loopback READ first") {
+  REQUIRE_VERBS();
+  stand_in s(true);
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    REQUIRE(b.gpudirect() != nullptr);
+    CHECK(b.gpudirect()->needs_flush);
+    const std::size_t n = 200 * 1024 + 1;
+    nic_memory src(n), dst(n), exposed(n);
+    std::vector<std::byte> h = pattern(n, 8), back(n);
+    auto reg = gdr::register_memory(exposed.device());
+    auto rv = reg.describe(0);
+    // Registered while readable.
+    co_await gdr::when_all(bytes_of(a.send(src.device())), bytes_of(b.recv(dst.device())));
+    co_await a.put(host(h), rv);
+    co_await a.get(src.device(), rv);
+    const auto fa = a.stats().flushes, fb = b.stats().flushes;
+    CHECK(fb == 2);  // b's receive and the put b served
+    CHECK(fa == 1);  // a's get into Device memory
+    for (int round = 0; round < 3; ++round) {
+      CAPTURE(round);
+      fill(src.data(), n, static_cast<std::uint32_t>(round));
+      auto expect = std::vector<std::byte>(src.data(), src.data() + n);
+      src.lock();
+      dst.lock();
+      exposed.lock();
+      auto [sr, rr] = co_await gdr::when_all(report_of(a.send(src.device())), report_of(b.recv(dst.device())));
+      auto pr = co_await report_of(a.put(src.device(), rv));  // served into b's Device memory
+      auto gr = co_await report_of(a.get(src.device(), rv));  // into a's Device memory
+      std::vector<std::byte> hin(n);  // into host memory: no flush
+      auto [hr, hrr] = co_await gdr::when_all(report_of(a.send(host(h))), report_of(b.recv(host(hin))));
+      src.unlock();
+      dst.unlock();
+      exposed.unlock();
+      CHECK(!sr.error);
+      CHECK(!rr.error);
+      CHECK(!pr.error);
+      CHECK(!gr.error);
+      CHECK(!hr.error);
+      CHECK(!hrr.error);
+      CHECK(same(dst.data(), expect.data(), n));
+      CHECK(same(exposed.data(), expect.data(), n));
+      CHECK(same(src.data(), expect.data(), n));
+      CHECK(hin == h);
+    }
+    CHECK(b.stats().flushes == fb + 6);  // two per round
+    CHECK(a.stats().flushes == fa + 3);  // one per round
+    co_await a.close();
+  });
 }
 
 TEST_CASE("an endpoint without gpudirect reports no GPUDirect and stages Device memory") {

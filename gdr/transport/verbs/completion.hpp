@@ -57,6 +57,7 @@
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/verbs/flush.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 
 namespace gdr::verbs {
@@ -119,6 +120,9 @@ struct device_queue {
   /// GPU memory of GPUDirect endpoints (all access flags; made by the first
   /// such endpoint, with its probe's route).
   std::unique_ptr<mr_cache> device_mrs;
+  /// The GPUDirect flush's loopback queue pair (made by the first endpoint
+  /// whose GPU needs it).
+  std::unique_ptr<flush_qp> flush;
 };
 
 namespace detail {
@@ -280,6 +284,7 @@ class cq_poller final : public poller {
       d->send_mrs.reset();
       d->read_mrs.reset();
       d->device_mrs.reset();
+      d->flush.reset();
       if (d->unacked != 0) ibv_ack_cq_events(d->cq, d->unacked);
       if (d->cq != nullptr && ibv_destroy_cq(d->cq) != 0) std::perror("gdr verbs: ibv_destroy_cq");
       if (d->channel != nullptr) ibv_destroy_comp_channel(d->channel);

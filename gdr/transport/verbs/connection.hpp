@@ -182,6 +182,7 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t credit_stalls = 0;   ///< times a frame waited for credits
   std::uint64_t registrations = 0;   ///< users' buffers registered (or found cached)
   std::uint64_t device_registrations = 0;  ///< ... of which GPU memory (GPUDirect)
+  std::uint64_t flushes = 0;         ///< GPUDirect flushes (loopback READs) before a Device receive completed
   std::uint64_t registration_failures = 0;  ///< ... that could not be: bounce buffers instead
   std::uint64_t keepalives = 0;      ///< keepalive probes sent
   std::uint64_t signaled_wrs = 0;    ///< send-queue work requests that asked for a completion
@@ -326,8 +327,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (vopts_.gpudirect) {
       // The endpoint's decide() has found the probe's yes (it refuses a no).
       gpudirect_ = &gdr::verbs::probe_gpudirect(vopts_.gpu, id->verbs);
+      needs_flush_ = gpudirect_->needs_flush;
       set_device_direct(true);
     }
+    flush_work_.c = this;
+    flush_work_.complete = &on_flush;
     try {
       setup();
     } catch (...) {
@@ -350,6 +354,17 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     frag_ = std::min<std::size_t>(buf_, peer.buffer_size);
     established_ = true;
     enter();
+    if (needs_flush_ && !dq_->flush) {
+      // Now that rdma_cm has set the connection's address vector up.
+      auto f = gdr::verbs::make_flush_qp(dq_->pd, dq_->cq, id_);
+      if (f) {
+        dq_->flush = std::move(*f);
+      } else {
+        std::fprintf(stderr, "gdr verbs: the GPUDirect flush's loopback queue pair: %s\n",
+                     f.error().message().c_str());
+        gpudirect_fail("no flush for a GPU that needs one");
+      }
+    }
     start_protocol();
     arm_cm_watch();
     ++activity_;
@@ -471,6 +486,18 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint32_t rkey = 0;
     gdr::verbs::mr_cache::lease lease{};  // dst's registration; without one, READs go through a send slot
     gdr::verbs::mr_cache* cache = nullptr;  // the lease's
+    int device = -1;                        // dst is memory of this GPU (GPUDirect)
+  };
+  /// A GPUDirect flush: the placement it ends waits for its READ.
+  struct pending_flush {
+    bool active = false;
+    bool posted = false;   // the READ is in flight
+    bool aborted = false;  // the engine dropped the placement meanwhile
+    const std::byte* addr = nullptr;
+    gdr::verbs::mr_cache::lease lease{};  // the GPU memory's registration, for the READ's key
+  };
+  struct flush_node : gdr::verbs::work {
+    connection* c = nullptr;
   };
   struct kick_node : remote_work {
     connection* self = nullptr;
@@ -487,7 +514,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void setup() {
     ibv_context* ctx = id_->verbs;
     if (ctx == nullptr) throw gdr::error(errc::no_device, "gdr::verbs: the rdma_cm id has no device");
-    int entries = sq_depth_ + static_cast<int>(rx_n_);
+    int entries = sq_depth_ + static_cast<int>(rx_n_) + (needs_flush_ ? 1 : 0);
     result<gdr::verbs::device_queue*> dq = poller_->reserve(ctx, entries);
     if (!dq) throw gdr::error(dq.error(), "gdr::verbs: completion queue");
     dq_ = *dq;
@@ -557,6 +584,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     }
     grants_.clear();
     rd_ = pending_read{};
+    fl_ = pending_flush{};
     for (std::uint32_t i = 0; tx_slots_ && i < tx_n_; ++i) tx_slots_[i].lease.release();
     rx_mr_.reset();
     tx_mr_.reset();
@@ -633,6 +661,12 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   bool link_abort_target() noexcept override {
+    if (fl_.active) {
+      // The bytes are in place; only the flush's READ (which writes nothing
+      // of the user's) is in flight.
+      fl_.aborted = true;
+      return true;
+    }
     if (rd_.active) {
       // A READ into the destination may be in flight: the memory is free
       // when it has completed (on_target_released).
@@ -713,7 +747,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   bool link_quiet() const noexcept override {
     return rx_outstanding_ == 0 && sq_used_ == 0 && tx_busy_ == 0 && !cm_watch_in_flight_ && !kick_posted_ &&
-           dropped_.empty() && copied_.empty();
+           dropped_.empty() && copied_.empty() && !fl_.posted;
   }
 
   void link_release() noexcept override {}
@@ -813,7 +847,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   /// Hands the consumed buffers to the engine, in order, until it pauses.
   void parse() noexcept {
-    while (!paused_ && !rd_.active && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
+    while (!paused_ && !rd_.active && !fl_.active && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
       const rx_item& it = backlog_[backlog_head_ % rx_n_];
       bool done = it.is_imm ? rx_write_arrived(it) : rx_buffer(it);
       if (!done) return;
@@ -931,6 +965,12 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     }
     ++stats_.rdma_received;
     w->done = true;
+    if (needs_flush_ && plan.device >= 0 && plan.want != 0) {
+      // The receive completes once the flush says the bytes have landed.
+      start_flush(plan.dst);
+      finish_grant(w);
+      return !failed();
+    }
     on_placed(true);
     finish_grant(w);
     return !failed();
@@ -1543,6 +1583,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     rd_.raddr = raddr;
     rd_.rkey = rkey;
     rd_.cache = &cache_for(device, recv_cache());
+    rd_.device = device;
     if (auto l = register_user(*rd_.cache, dst, len, device)) {
       rd_.lease = std::move(*l);
     } else {
@@ -1601,12 +1642,14 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       return;
     }
     bool aborted = rd_.aborted;
+    bool flush = !aborted && needs_flush_ && rd_.device >= 0;
+    if (flush) start_flush(rd_.dst);  // before end_read gives up its registration
     end_read();
     if (aborted) {
       on_target_released();
     } else {
       ++stats_.rdma_read;
-      on_placed(true);
+      if (!flush) on_placed(true);  // else when the flush is done
     }
     parse();  // the frames behind it
   }
@@ -1614,6 +1657,76 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void end_read() noexcept {
     if (rd_.lease) release_lease(rd_.lease, rd_.dst, rd_.len, *rd_.cache);
     rd_ = pending_read{};
+  }
+
+  // ---------------------------------------------------------------- the GPUDirect flush
+
+  /// GPU memory the NIC has just written (at `addr`): READ one byte of it
+  /// through the loopback queue pair (`gdr/transport/verbs/flush.hpp`); the
+  /// placement completes when the READ does. Parsing waits meanwhile.
+  void start_flush(const std::byte* addr) noexcept {
+    if (failed() || shut_) return;
+    fl_.active = true;
+    fl_.addr = addr;
+    auto l = dq_->device_mrs->acquire(addr, 1);  // found cached: the transfer's own registration
+    if (!l) {
+      fl_ = pending_flush{};
+      gpudirect_fail("cannot register Device memory for its flush");
+      return;
+    }
+    fl_.lease = std::move(*l);
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<std::uintptr_t>(dq_->flush->scratch.get());
+    sge.length = 1;
+    sge.lkey = dq_->flush->mr.lkey();
+    ibv_send_wr wr{};
+    wr.wr_id = flush_work_.wr_id();
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_RDMA_READ;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = reinterpret_cast<std::uintptr_t>(addr);
+    wr.wr.rdma.rkey = fl_.lease.handle()->rkey;
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(dq_->flush->qp, &wr, &bad)) {  // returns an errno value
+      end_flush();
+      std::fprintf(stderr, "gdr verbs: posting the GPUDirect flush: %s\n", std::strerror(rc));
+      gpudirect_fail("the flush could not be posted");
+      return;
+    }
+    fl_.posted = true;
+    ++activity_;
+    if (busy_noted_++ == 0) poller_->note_busy(1);
+  }
+
+  void end_flush() noexcept {
+    if (fl_.lease) release_lease(fl_.lease, fl_.addr, 1, *dq_->device_mrs);
+    fl_ = pending_flush{};
+  }
+
+  static void on_flush(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
+    connection* c = static_cast<flush_node*>(w)->c;
+    c->enter();
+    c->flush_done(wc);
+    c->on_io_done();
+    c->leave();  // may free c
+  }
+
+  void flush_done(const ibv_wc& wc) noexcept {
+    if (--busy_noted_ == 0) poller_->note_busy(-1);
+    ++activity_;
+    bool aborted = fl_.aborted;
+    end_flush();
+    if (wc.status != IBV_WC_SUCCESS) {
+      std::fprintf(stderr, "gdr verbs: the GPUDirect flush's READ failed: %s\n", ibv_wc_status_str(wc.status));
+      gpudirect_fail("the flush failed");
+    } else if (!aborted && !failed()) {
+      ++stats_.flushes;
+      on_placed(true);
+    }
+    release_unsignaled();
+    parse();  // the frames behind it
+    pump_tx();
   }
 
   // ---------------------------------------------------------------- keepalive
@@ -1817,6 +1930,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   std::vector<grant> grants_;
   std::vector<remote_dst> remotes_;
   pending_read rd_{};
+  pending_flush fl_{};
+  flush_node flush_work_{};
+  bool needs_flush_ = false;  // GPUDirect: receives into GPU memory end with a flush
 
   // send side
   proto::fifo<frame, &frame::prev, &frame::next> tx_{};

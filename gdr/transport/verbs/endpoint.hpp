@@ -117,10 +117,9 @@ class endpoint : public basic_endpoint<transport> {
   /// (`engine::refuse_host`, `engine::refuse_device`):
   ///   * host rows: zero-copy;
   ///   * `Device` rows, with `o.gpudirect`: the probe of GPU `o.gpu` and
-  ///     `nic` decides: a yes makes them zero-copy (`gpudirect-rdma`), a no
-  ///     fails the set-up (`errc::gpudirect_unavailable`, never a fallback
-  ///     to staging), and so does a GPU whose NIC writes need a flush
-  ///     (`needs_flush`: not implemented, so never silently unsafe);
+  ///     `nic` decides: a yes makes them zero-copy (`gpudirect-rdma`; a GPU
+  ///     whose `needs_flush` gets the flush), a no fails the set-up
+  ///     (`errc::gpudirect_unavailable`, never a fallback to staging);
   ///   * `Device` rows without `o.gpudirect`: staged through the protocol
   ///     layer's pipeline (pinned bounce buffers), the explicit choice.
   static result<std::uint8_t> decide(const endpoint_options& o, ibv_context* nic, const char* who) {
@@ -137,7 +136,7 @@ class endpoint : public basic_endpoint<transport> {
     host_rows.template operator()<Pinned>();
     if (o.gpudirect) {
       const gpudirect_report& r = probe_gpudirect(o.gpu, nic);
-      if (!r.available || r.needs_flush) return errc::gpudirect_unavailable;  // decide_reason says why
+      if (!r.available) return errc::gpudirect_unavailable;  // decide_reason says why
       if (o.protocol.force == force_path::staged) {
         plan.refused |= engine::refuse_device;  // a GPUDirect endpoint does not stage
       } else {
@@ -179,12 +178,6 @@ class endpoint : public basic_endpoint<transport> {
     if (o.gpudirect) {
       const gpudirect_report& r = probe_gpudirect(o.gpu, nic);
       if (!r.available) return "gdr::verbs: a zero-copy Device endpoint needs GPUDirect RDMA: " + r.reason;
-      if (r.needs_flush)
-        return "gdr::verbs: GPU " + std::to_string(o.gpu) + " may see " + r.nic +
-               "'s writes out of order (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING " +
-               std::to_string(r.writes_ordering) +
-               " is below OWNER) and gdr does not flush them yet: make the endpoint without "
-               "endpoint_options::gpudirect to stage Device memory through pinned buffers";
     }
     return "gdr::verbs: the forced path is not one this transport offers";
   }

@@ -312,9 +312,10 @@ inline result<ibv_mr*> register_dmabuf(ibv_pd* pd, std::uintptr_t addr, std::siz
   return mr;
 }
 
-/// The test stand-in's switch (see `gdr::verbs::testing`).
-inline std::atomic<bool>& stand_in_flag() noexcept {
-  static std::atomic<bool> on{false};
+/// The test stand-in's switch (see `gdr::verbs::testing`): 0 off, 1 on,
+/// 2 on and reporting that receives need the flush.
+inline std::atomic<int>& stand_in_flag() noexcept {
+  static std::atomic<int> on{0};
   return on;
 }
 
@@ -329,24 +330,37 @@ inline std::atomic<bool>& stand_in_flag() noexcept {
 /// and gets the real verbs data path of a GPUDirect endpoint, every byte
 /// moved by the NIC. Made `PROT_NONE` after its registration is cached,
 /// such memory faults on any CPU access while the NIC still reaches it: a
-/// test of "the CPU never touches Device memory". Never for production:
-/// nothing checks that the memory is host memory.
+/// test of "the CPU never touches Device memory". `needs_flush` makes the
+/// report say that NIC writes need the flush (a GPU below `OWNER`), so the
+/// flush's loopback READ runs too. Never for production: nothing checks
+/// that the memory is host memory.
 namespace testing {
-inline void stand_in_host_memory_for_device(bool on) noexcept { detail::stand_in_flag() = on; }
+inline void stand_in_host_memory_for_device(bool on, bool needs_flush = false) noexcept {
+  detail::stand_in_flag() = on ? (needs_flush ? 2 : 1) : 0;
+}
 }  // namespace testing
 
 /// The GPUDirect probe of GPU `gpu` and NIC `nic`, run once per pair and
 /// process and cached. Thread-safe.
 inline const gpudirect_report& probe_gpudirect(int gpu, ibv_context* nic) {
-  if (detail::stand_in_flag()) {
-    static const gpudirect_report stand_in = [] {
+  if (int mode = detail::stand_in_flag(); mode != 0) {
+    static const gpudirect_report stand_in[2] = {[] {
       gpudirect_report r;
       r.available = true;
       r.route = "host-stand-in";
       r.reason = "a test stand-in: host memory plays Device memory (gdr::verbs::testing)";
+      r.writes_ordering = detail::cu_writes_ordering_owner;
       return r;
-    }();
-    return stand_in;
+    }(), [] {
+      gpudirect_report r;
+      r.available = true;
+      r.route = "host-stand-in";
+      r.reason = "a test stand-in: host memory plays Device memory of a GPU that needs the flush";
+      r.needs_flush = true;
+      r.writes_ordering = 0;
+      return r;
+    }()};
+    return stand_in[mode - 1];
   }
   static std::mutex mu;
   static std::map<std::pair<int, std::string>, gpudirect_report> done;
