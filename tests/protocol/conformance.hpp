@@ -75,7 +75,14 @@ struct tcp_fixture {
   }
 };
 
-#if CONFORMANCE_VERBS
+#ifndef CONFORMANCE_VERBS_GPUDIRECT
+#define CONFORMANCE_VERBS_GPUDIRECT 0
+#endif
+#if CONFORMANCE_VERBS && CONFORMANCE_VERBS_GPUDIRECT
+// The conformance suite (host memory) also over GPUDirect endpoints: their
+// rules for host memory are every endpoint's.
+#define CONFORMANCE_TRANSPORTS conformance::verbs_fixture, conformance::verbs_gpudirect_fixture
+#elif CONFORMANCE_VERBS
 #define CONFORMANCE_TRANSPORTS conformance::verbs_fixture
 #else
 #define CONFORMANCE_TRANSPORTS conformance::loopback_fixture, conformance::tcp_fixture

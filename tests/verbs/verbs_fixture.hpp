@@ -54,4 +54,25 @@ struct verbs_fixture {
   }
 };
 
+/// Verbs endpoints made with `endpoint_options::gpudirect`, on the test
+/// stand-in's probe (gdr::verbs::testing: no GPU needed): host memory must
+/// behave on them exactly as on any endpoint.
+struct verbs_gpudirect_fixture {
+  using endpoint = gdr::verbs::endpoint;
+  static constexpr const char* name = "verbs-gpudirect";
+  static std::string skip_reason() { return verbs_skip_reason(); }
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg,
+                                                        gdr::protocol_options a, gdr::protocol_options b) {
+    gdr::verbs::testing::stand_in_host_memory_for_device(true);
+    gdr::verbs::endpoint_options ea, eb;
+    ea.protocol = a;
+    eb.protocol = b;
+    ea.gpudirect = eb.gpudirect = true;
+    auto p = co_await verbs_pair(s, reg, ea, eb);
+    if (p.first.gpudirect() == nullptr || p.second.gpudirect() == nullptr)
+      throw gdr::error(gdr::errc::invalid_argument, "verbs_gpudirect_fixture: not GPUDirect endpoints");
+    co_return p;
+  }
+};
+
 }  // namespace conformance
