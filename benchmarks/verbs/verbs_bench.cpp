@@ -54,6 +54,13 @@
 // The connection's send slots and receive buffers (tx_depth, rx_depth) are
 // made at least WINDOW deep, as perftest sizes its queue pair by --tx-depth.
 //
+// GDR_BENCH_GPUDIRECT=1: both endpoints are GPUDirect endpoints on the test
+// stand-in (gdr::verbs::testing: host memory plays GPU 0's memory, no GPU
+// needed), and send_lat / send_bw send from and receive into Device views:
+// the GPUDirect data path's cost against the host path on the same link
+// (every Device send goes by rendezvous, so an 8-byte one takes the rts,
+// rtr and WRITE round trips). Lines then start "gdr-verbs-gpudirect".
+//
 // Needs an RDMA device whose address is IP (benchmarks/verbs/run.sh runs it
 // in the Soft-RoCE guest, side by side with perftest).
 #include <sys/wait.h>
@@ -89,6 +96,8 @@ constexpr gdr::tag data_tag{0};
 constexpr gdr::tag ctl_tag{1};
 
 gdr::view<std::byte, gdr::Host> v(bytes& b) { return {b.data(), b.size()}; }
+// The same bytes as GPU 0's memory (GDR_BENCH_GPUDIRECT: the stand-in).
+gdr::view<std::byte, gdr::Device> dv(bytes& b) { return {b.data(), b.size(), 0}; }
 
 // Resumes the awaiting coroutine on the next turn of the scheduler's loop,
 // after it has polled its completion queue (a busy-poll that lets the
@@ -173,6 +182,17 @@ int main(int argc, char** argv) {
   const int recv_window = 2 * window;  // send_bw's receives posted ahead
   const std::uint16_t port = static_cast<std::uint16_t>(20000 + (::getpid() % 20000));
   gdr::verbs::endpoint_options eo;
+  const char* gd_env = std::getenv("GDR_BENCH_GPUDIRECT");
+  const bool gd = gd_env != nullptr && std::strcmp(gd_env, "1") == 0;
+  if (gd && mode != "send_lat" && mode != "send_bw") {
+    std::fprintf(stderr, "verbs_bench: GDR_BENCH_GPUDIRECT=1 measures send_lat and send_bw only\n");
+    return 2;
+  }
+  const char* label = gd ? "gdr-verbs-gpudirect" : "gdr-verbs";
+  if (gd) {
+    gdr::verbs::testing::stand_in_host_memory_for_device(true);
+    eo.gpudirect = true;
+  }
   eo.protocol.rendezvous_threshold = 8192;  // large messages by RDMA WRITE, as ib_write_bw
   eo.cache_registrations = true;            // the buffers live for the whole run
   eo.tx_depth = std::max<unsigned>(eo.tx_depth, static_cast<unsigned>(window));
@@ -231,12 +251,14 @@ int main(int argc, char** argv) {
           auto t0 = clk::now();
           double div = 2;  // ping-pongs: one-way = round trip / 2
           if (mode == "send_lat") {
+            auto send = [&] { return gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag); };
+            auto recv = [&] { return gd ? ep.recv(dv(target), data_tag) : ep.recv(v(target), data_tag); };
             if (server) {
-              co_await ep.recv(v(target), data_tag);
-              co_await ep.send(v(buf), data_tag);
+              co_await recv();
+              co_await send();
             } else {
-              co_await ep.send(v(buf), data_tag);
-              co_await ep.recv(v(target), data_tag);
+              co_await send();
+              co_await recv();
             }
           } else if (mode == "put_lat") {
             buf.back() = mark(i);
@@ -257,14 +279,17 @@ int main(int argc, char** argv) {
         }
         if (!server) {
           stats s = summarize(samples);
-          std::printf("gdr-verbs %s size=%zu iters=%d typical_us=%.2f avg_us=%.2f\n", mode.c_str(), size, iters,
+          std::printf("%s %s size=%zu iters=%d typical_us=%.2f avg_us=%.2f\n", label, mode.c_str(), size, iters,
                       s.typical, s.avg);
         }
       } else {
         std::vector<bytes> rbufs;
         if (mode == "send_bw" && server) rbufs.assign(static_cast<std::size_t>(recv_window), bytes(size));
-        auto send_op = [&](int) { return ep.send(v(buf), data_tag); };
-        auto recv_op = [&](int w) { return ep.recv(v(rbufs[static_cast<std::size_t>(w)]), data_tag); };
+        auto send_op = [&](int) { return gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag); };
+        auto recv_op = [&](int w) {
+          bytes& b = rbufs[static_cast<std::size_t>(w)];
+          return gd ? ep.recv(dv(b), data_tag) : ep.recv(v(b), data_tag);
+        };
         auto put_op = [&](int) { return ep.put(v(buf), peer); };
         auto get_op = [&](int) { return ep.get(v(buf), peer); };
         int warm = std::min(iters, mode == "send_bw" ? recv_window : window);
@@ -289,7 +314,7 @@ int main(int argc, char** argv) {
           else if (mode == "put_bw") co_await sliding_window(iters, window, put_op);
           else co_await sliding_window(iters, window, get_op);
           double secs = std::chrono::duration<double>(clk::now() - t0).count();
-          std::printf("gdr-verbs %s size=%zu iters=%d window=%d MBps=%.2f\n", mode.c_str(), size, iters, window,
+          std::printf("%s %s size=%zu iters=%d window=%d MBps=%.2f\n", label, mode.c_str(), size, iters, window,
                       static_cast<double>(size) * iters / secs / (1024.0 * 1024.0));
         }
       }

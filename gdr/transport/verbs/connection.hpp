@@ -48,6 +48,19 @@
 /// unfinished even if cancelled) until the answer has come. While a READ
 /// runs, the frames behind it wait (placement is in order).
 ///
+/// GPUDirect (`endpoint_options::gpudirect`). The engine marks what only
+/// the NIC may move (`frame::nic_only`, `rx_plan::device`: GPU memory, and a
+/// put's or get's host memory whose peer side is GPU memory). Such memory is
+/// registered in the device's GPU cache (dma-buf or peermem), every such
+/// request carries its key whatever its size, and every byte goes by RDMA
+/// WRITE or READ. Where a SEND or a bounce-buffer copy would be needed
+/// instead (a registration failed, the peer offered no key or sent SENDs),
+/// the connection fails with `errc::gpudirect_unavailable` (`gpudirect_fail`).
+/// On a GPU that needs it (`gpudirect_report::needs_flush`), each NIC write
+/// into GPU memory ends with a one-byte READ through the device's loopback
+/// queue pair (`gdr/transport/verbs/flush.hpp`) before its placement
+/// completes; parsing waits meanwhile, as for a READ.
+///
 /// Completions. A frame whose bytes are all copied when its last SEND is
 /// posted (inline, or into a send slot) is ended then: it waits in
 /// `copied_` and goes back to the engine at the end of the handler
@@ -385,8 +398,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   const gdr::verbs::gpudirect_report* gpudirect() const noexcept { return gpudirect_; }
 
   ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
-  /// Forgets the cached registrations overlapping the range (all three
-  /// caches of this connection's device); one a transfer still uses goes
+  /// Forgets the cached registrations overlapping the range (every cache
+  /// of this connection's device); one a transfer still uses goes
   /// when that transfer ends. Returns how many were dropped.
   std::size_t invalidate_registrations(const void* addr, std::size_t len) noexcept {
     if (dq_ == nullptr) return 0;
