@@ -20,18 +20,9 @@ bench=$(readlink -f "$bench")
 out=$(mktemp -d /var/tmp/gdr-verbs-gd.XXXXXX)
 cat >"$out/guest.sh" <<'GUEST'
 #!/bin/bash
-B=$1; R=$2; D=$RXEVM_DEV; G=$RXEVM_GID_INDEX; IP=$RXEVM_IP
-pt() {
-  local tool=$1; shift
-  timeout 60 $tool -d $D -x $G "$@" >/dev/null 2>&1 &
-  local s=$!
-  for i in 1 2 3 4 5 6 7 8 9 10; do
-    sleep 0.5
-    if timeout 60 $tool -d $D -x $G "$@" $IP 2>/dev/null >/tmp/pt.out; then break; fi
-  done
-  wait $s 2>/dev/null || true
-  cat /tmp/pt.out
-}
+# In the guest: $1 = benchmark, $2 = repetitions, $3 = the repository.
+B=$1; R=$2; IP=$RXEVM_IP
+source "$3/benchmarks/verbs/perftest_pair.sh"
 for r in $(seq 1 $R); do
   echo "# repetition $r"
   timeout 60 $B $IP send_lat 8 1000
@@ -43,7 +34,7 @@ for r in $(seq 1 $R); do
 done
 GUEST
 chmod +x "$out/guest.sh"
-"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1800 -- "$out/guest.sh" "$bench" "$reps" | tee "$out/raw.txt"
+"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1800 -- "$out/guest.sh" "$bench" "$reps" "$here" | tee "$out/raw.txt"
 python3 - "$out/raw.txt" <<'PY'
 import re, statistics, sys
 vals = {}

@@ -23,19 +23,9 @@ bench=$(readlink -f "$bench")
 out=$(mktemp -d /var/tmp/gdr-verbs-bench.XXXXXX)
 cat >"$out/guest.sh" <<'GUEST'
 #!/bin/bash
-# In the guest: $1 = benchmark, $2 = repetitions, $3 = window.
-B=$1; R=$2; W=$3; D=$RXEVM_DEV; G=$RXEVM_GID_INDEX; IP=$RXEVM_IP
-pt() {  # perftest pair: server in the background, client retried until it connects
-  local tool=$1; shift
-  timeout 60 $tool -d $D -x $G "$@" >/dev/null 2>&1 &
-  local s=$!
-  for i in 1 2 3 4 5 6 7 8 9 10; do
-    sleep 0.5
-    if timeout 60 $tool -d $D -x $G "$@" $IP 2>/dev/null >/tmp/pt.out; then break; fi
-  done
-  wait $s 2>/dev/null || true
-  cat /tmp/pt.out
-}
+# In the guest: $1 = benchmark, $2 = repetitions, $3 = window, $4 = the repository.
+B=$1; R=$2; W=$3; IP=$RXEVM_IP
+source "$4/benchmarks/verbs/perftest_pair.sh"
 lat() { awk -v s=$1 '$1 == s {print "typical_us=" $5 " avg_us=" $6}'; }
 bw() { awk -v s=$1 '$1 == s {print "MBps=" $4}'; }
 for r in $(seq 1 $R); do
@@ -56,7 +46,7 @@ for r in $(seq 1 $R); do
 done
 GUEST
 chmod +x "$out/guest.sh"
-"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1800 -- "$out/guest.sh" "$bench" "$reps" "$window" | tee "$out/raw.txt"
+"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1800 -- "$out/guest.sh" "$bench" "$reps" "$window" "$here" | tee "$out/raw.txt"
 python3 - "$out/raw.txt" "$window" <<'PY'
 import re, statistics, sys
 window = sys.argv[2]

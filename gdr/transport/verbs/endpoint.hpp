@@ -134,40 +134,32 @@ class endpoint : public basic_endpoint<transport> {
     };
     host_rows.template operator()<Host>();
     host_rows.template operator()<Pinned>();
-    if (o.gpudirect) {
-      const gpudirect_report& r = probe_gpudirect(o.gpu, nic);
-      if (!r.available) return errc::gpudirect_unavailable;  // decide_reason says why
-      if (o.protocol.force == force_path::staged) {
-        plan.refused |= engine::refuse_device;  // a GPUDirect endpoint does not stage
-      } else {
-        auto direct_row = [&]<class Op, class R>() {
-          path_decision d = row_decision<transport, Op, Device, R>(o.protocol.force);  // a probed row
-          d.decided = path_kind::zero_copy;
-          d.path = transfer_path::gpudirect_rdma;
-          d.endpoint = who;
-          log_path_decision(d);
-          ++plan.usable;
-        };
-        direct_row.template operator()<gdr::op::send, AnySpace>();
-        direct_row.template operator()<gdr::op::recv, AnySpace>();
-        direct_row.template operator()<gdr::op::put, Device>();
-        direct_row.template operator()<gdr::op::get, Device>();
-      }
-    } else if (o.protocol.force == force_path::zero_copy) {
-      plan.refused |= engine::refuse_device;
-    } else {
-      auto staged_row = [&]<class Op, class R>() {
-        path_decision d = row_decision<transport, Op, Device, R>(o.protocol.force);  // a probed row
-        d.decided = path_kind::staged;
-        d.path = transfer_path::staged_pinned;
+    // The Device rows (probed in the table) as this endpoint moves them.
+    auto device_rows = [&](path_kind kind, transfer_path path) {
+      auto row = [&]<class Op, class R>() {
+        path_decision d = row_decision<transport, Op, Device, R>(o.protocol.force);
+        d.decided = kind;
+        d.path = path;
         d.endpoint = who;
         log_path_decision(d);
         ++plan.usable;
       };
-      staged_row.template operator()<gdr::op::send, AnySpace>();
-      staged_row.template operator()<gdr::op::recv, AnySpace>();
-      staged_row.template operator()<gdr::op::put, Device>();
-      staged_row.template operator()<gdr::op::get, Device>();
+      row.template operator()<gdr::op::send, AnySpace>();
+      row.template operator()<gdr::op::recv, AnySpace>();
+      row.template operator()<gdr::op::put, Device>();
+      row.template operator()<gdr::op::get, Device>();
+    };
+    if (o.gpudirect) {
+      if (!probe_gpudirect(o.gpu, nic).available) return errc::gpudirect_unavailable;  // decide_reason says why
+      if (o.protocol.force == force_path::staged) {
+        plan.refused |= engine::refuse_device;  // a GPUDirect endpoint does not stage
+      } else {
+        device_rows(path_kind::zero_copy, transfer_path::gpudirect_rdma);
+      }
+    } else if (o.protocol.force == force_path::zero_copy) {
+      plan.refused |= engine::refuse_device;
+    } else {
+      device_rows(path_kind::staged, transfer_path::staged_pinned);
     }
     if (plan.usable == 0) return errc::unsupported;
     return plan.refused;
