@@ -29,6 +29,7 @@
 #include <gdr/coro/task.hpp>
 #include <gdr/coro/when_all.hpp>
 #include <gdr/memory/registration.hpp>
+#include <gdr/sched/timer.hpp>
 #include <gdr/transport/verbs.hpp>
 
 #include "tests/support/skip.hpp"
@@ -336,9 +337,14 @@ TEST_CASE("Device memory the NIC cannot register fails the connection loudly ins
   stand_in s;
   // PROT_NONE before any registration: ibv_reg_mr cannot pin the pages, as
   // a GPU buffer the driver will not export cannot be registered.
-  for (bool sender_side : {true, false}) {
-    CAPTURE(sender_side);
-    with_pair([sender_side](auto& a, auto& b) -> gdr::task<> {
+  // Three places: the sender's WRITE source; a receive posted before the
+  // announcement (its rtr goes out from the event that brings the rts); a
+  // receive posted after it (from the receive's own start).
+  enum side { sender, receiver_first, receiver_late };
+  for (side where : {sender, receiver_first, receiver_late}) {
+    CAPTURE(static_cast<int>(where));
+    const bool sender_side = where == sender;
+    with_pair([sender_side, where](auto& a, auto& b) -> gdr::task<> {
       const std::size_t n = 256 * 1024;
       nic_memory dev(n);
       dev.lock();
@@ -352,11 +358,16 @@ TEST_CASE("Device memory the NIC cannot register fails the connection loudly ins
         CHECK(sr.error == gdr::errc::gpudirect_unavailable);  // the side that could not register
         CHECK(rr.error);                                       // its peer: the connection is gone
       } else {
-        auto [x, y] = co_await gdr::when_all(report_of(a.send(host(hbuf))), report_of(b.recv(dev.device())));
+        auto late_recv = [&]() -> gdr::task<gdr::op_report> {
+          if (where == receiver_late) co_await gdr::sleep_for(50ms);  // the rts is kept by then
+          co_return co_await b.recv(dev.device()).report();
+        };
+        auto [x, y] = co_await gdr::when_all(report_of(a.send(host(hbuf))), late_recv());
         sr = x;
         rr = y;
         CHECK(rr.error == gdr::errc::gpudirect_unavailable);
         CHECK(sr.error);
+        if (where == receiver_late) CHECK(b.stats().unexpected_rts == 1);
       }
       CHECK(std::chrono::steady_clock::now() - t0 < 10s);
       CHECK(a.stats().registration_failures + b.stats().registration_failures >= 1);
