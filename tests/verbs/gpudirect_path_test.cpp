@@ -359,7 +359,10 @@ TEST_CASE("Device memory the NIC cannot register fails the connection loudly ins
         CHECK(rr.error);                                       // its peer: the connection is gone
       } else {
         auto late_recv = [&]() -> gdr::task<gdr::op_report> {
-          if (where == receiver_late) co_await gdr::sleep_for(50ms);  // the rts is kept by then
+          if (where == receiver_late) {
+            // Until the announcement is kept (bounded: the watchdog).
+            while (b.stats().unexpected_rts == 0) co_await gdr::sleep_for(1ms);
+          }
           co_return co_await b.recv(dev.device()).report();
         };
         auto [x, y] = co_await gdr::when_all(report_of(a.send(host(hbuf))), late_recv());
