@@ -91,20 +91,24 @@ inline task<result<cm_event>> next_event(scheduler& s, rdma_event_channel* ch) {
   }
 }
 
+/// The set-up's failure when `step` got event `e` instead of the one it
+/// waited for (and a line saying so).
+inline std::error_code unexpected_event(const cm_event& e, const char* step) noexcept {
+  std::fprintf(stderr, "gdr::verbs: %s: got %s (status %d)\n", step, rdma_event_str(e.type), e.status);
+  switch (e.type) {
+    case RDMA_CM_EVENT_REJECTED: return errno_code(ECONNREFUSED);
+    case RDMA_CM_EVENT_UNREACHABLE: return errno_code(EHOSTUNREACH);
+    case RDMA_CM_EVENT_ADDR_ERROR:
+    case RDMA_CM_EVENT_ROUTE_ERROR: return errno_code(e.status < 0 ? -e.status : EHOSTUNREACH);
+    default: return errc::connection_lost;
+  }
+}
+
 /// Waits for event `want` on `ch`; any other is the set-up's failure.
 inline task<result<cm_event>> expect(scheduler& s, rdma_event_channel* ch, rdma_cm_event_type want, const char* step) {
   result<cm_event> e = co_await next_event(s, ch);
   if (!e) co_return e.error();
-  if (e->type != want) {
-    std::fprintf(stderr, "gdr::verbs: %s: got %s (status %d)\n", step, rdma_event_str(e->type), e->status);
-    switch (e->type) {
-      case RDMA_CM_EVENT_REJECTED: co_return errno_code(ECONNREFUSED);
-      case RDMA_CM_EVENT_UNREACHABLE: co_return errno_code(EHOSTUNREACH);
-      case RDMA_CM_EVENT_ADDR_ERROR:
-      case RDMA_CM_EVENT_ROUTE_ERROR: co_return errno_code(e->status < 0 ? -e->status : EHOSTUNREACH);
-      default: co_return errc::connection_lost;
-    }
-  }
+  if (e->type != want) co_return unexpected_event(*e, step);
   co_return e;
 }
 
@@ -213,26 +217,18 @@ inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_vie
     throw gdr::error(ec, "gdr::verbs::connect: rdma_connect");
   }
   result<detail::cm_event> est = co_await detail::next_event(s, ch);
-  if (est && est->type == RDMA_CM_EVENT_REJECTED && est->has_params && gdr::detail::verbs::params_ok(est->peer)) {
-    // The listener said why in its private data: the ends disagree.
+  // The peer's parameters come with its acceptance, or with its rejection
+  // when the two ends disagree (the listener says so in its private data).
+  if (est && est->has_params && gdr::detail::verbs::params_ok(est->peer)) {
     if (const char* why = gdr::detail::verbs::params_disagree(mine, est->peer)) {
       (*c)->discard();
       throw gdr::error(errc::gpudirect_unavailable, why);
     }
   }
-  if (est && est->type != RDMA_CM_EVENT_ESTABLISHED) {
-    std::fprintf(stderr, "gdr::verbs: connect: got %s (status %d)\n", rdma_event_str(est->type), est->status);
-    est = est->type == RDMA_CM_EVENT_REJECTED      ? errno_code(ECONNREFUSED)
-          : est->type == RDMA_CM_EVENT_UNREACHABLE ? errno_code(EHOSTUNREACH)
-                                                   : std::error_code(errc::connection_lost);
-  }
+  if (est && est->type != RDMA_CM_EVENT_ESTABLISHED) est = detail::unexpected_event(*est, "connect");
   if (!est || !est->has_params || !gdr::detail::verbs::params_ok(est->peer)) {
     (*c)->discard();
     throw gdr::error(est ? std::error_code(errc::protocol_error) : est.error(), "gdr::verbs::connect: establishing");
-  }
-  if (const char* why = gdr::detail::verbs::params_disagree(mine, est->peer)) {
-    (*c)->discard();
-    throw gdr::error(errc::gpudirect_unavailable, why);
   }
   (*c)->start(est->peer);
   co_return endpoint(*c);

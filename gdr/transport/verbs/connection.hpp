@@ -340,7 +340,6 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (vopts_.gpudirect) {
       // The endpoint's decide() has found the probe's yes (it refuses a no).
       gpudirect_ = &gdr::verbs::probe_gpudirect(vopts_.gpu, id->verbs);
-      needs_flush_ = gpudirect_->needs_flush;
       set_device_direct(true);
     }
     flush_work_.c = this;
@@ -367,7 +366,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     frag_ = std::min<std::size_t>(buf_, peer.buffer_size);
     established_ = true;
     enter();
-    if (needs_flush_ && !dq_->flush) {
+    if (needs_flush() && !dq_->flush) {
       // Now that rdma_cm has set the connection's address vector up.
       auto f = gdr::verbs::make_flush_qp(dq_->pd, dq_->cq, id_);
       if (f) {
@@ -396,6 +395,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// What the GPUDirect probe found for this endpoint's GPU and NIC (null:
   /// not a GPUDirect endpoint).
   const gdr::verbs::gpudirect_report* gpudirect() const noexcept { return gpudirect_; }
+  /// GPUDirect: NIC writes into GPU memory end with a flush.
+  bool needs_flush() const noexcept { return gpudirect_ != nullptr && gpudirect_->needs_flush; }
 
   ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
   /// Forgets the cached registrations overlapping the range (every cache
@@ -527,7 +528,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void setup() {
     ibv_context* ctx = id_->verbs;
     if (ctx == nullptr) throw gdr::error(errc::no_device, "gdr::verbs: the rdma_cm id has no device");
-    int entries = sq_depth_ + static_cast<int>(rx_n_) + (needs_flush_ ? 1 : 0);
+    int entries = sq_depth_ + static_cast<int>(rx_n_) + (needs_flush() ? 1 : 0);
     result<gdr::verbs::device_queue*> dq = poller_->reserve(ctx, entries);
     if (!dq) throw gdr::error(dq.error(), "gdr::verbs: completion queue");
     dq_ = *dq;
@@ -978,13 +979,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     }
     ++stats_.rdma_received;
     w->done = true;
-    if (needs_flush_ && plan.device >= 0 && plan.want != 0) {
-      // The receive completes once the flush says the bytes have landed.
-      start_flush(plan.dst);
-      finish_grant(w);
-      return !failed();
+    if (needs_flush() && plan.device >= 0 && plan.want != 0) {
+      start_flush(plan.dst);  // the receive completes once the flush says the bytes have landed
+    } else {
+      on_placed(true);
     }
-    on_placed(true);
     finish_grant(w);
     return !failed();
   }
@@ -1012,7 +1011,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     on_sent(*f, {});
   }
 
-  void release_grant(grant& g) noexcept { release_lease(g.lease, g.addr, g.len, *g.cache); }
+  void release_grant(grant& g) noexcept { release_lease(g.lease, g.addr, g.len, g.cache); }
 
   /// The grant a frame carries the key of (encoded[0] == 1), or end().
   std::vector<grant>::iterator grant_of(const frame& f) noexcept {
@@ -1119,11 +1118,13 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   gdr::verbs::mr_cache& send_cache() noexcept { return *dq_->send_mrs; }
   gdr::verbs::mr_cache& read_cache() noexcept { return *dq_->read_mrs; }
 
+  /// Ends a transfer's lease on its registration in `cache` (null with an
+  /// empty lease), and forgets the registration unless they are cached.
   void release_lease(gdr::verbs::mr_cache::lease& l, const void* addr, std::size_t len,
-                     gdr::verbs::mr_cache& cache) noexcept {
+                     gdr::verbs::mr_cache* cache) noexcept {
     if (!l) return;
     l.release();
-    if (!vopts_.cache_registrations) cache.invalidate(addr, len);
+    if (!vopts_.cache_registrations) cache->invalidate(addr, len);
   }
 
   // ---------------------------------------------------------------- sending
@@ -1381,7 +1382,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     int rc = ibv_post_send(id_->qp, wrs, &bad);  // returns an errno value
     if (rc != 0) {
       // The frame stays where it is (on tx_): the failure hands it back.
-      if (t->lease) release_lease(t->lease, t->lease_addr, t->lease_len, *t->lease_cache);
+      release_lease(t->lease, t->lease_addr, t->lease_len, t->lease_cache);
       free_tx(t);
       if (!failed()) on_link_failed(errno_code(rc));
       return false;
@@ -1550,7 +1551,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     bool read = t.read;
     std::size_t read_bytes = t.read_bytes;
     const std::byte* slot_buf = t.buf;  // not written again before read_done: nothing posts in between
-    if (t.lease) release_lease(t.lease, t.lease_addr, t.lease_len, *t.lease_cache);
+    release_lease(t.lease, t.lease_addr, t.lease_len, t.lease_cache);
     free_held(t.held);
     free_tx(&t);
     std::error_code ec;
@@ -1655,7 +1656,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       return;
     }
     bool aborted = rd_.aborted;
-    bool flush = !aborted && needs_flush_ && rd_.device >= 0;
+    bool flush = !aborted && needs_flush() && rd_.device >= 0;
     if (flush) start_flush(rd_.dst);  // before end_read gives up its registration
     end_read();
     if (aborted) {
@@ -1668,7 +1669,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   void end_read() noexcept {
-    if (rd_.lease) release_lease(rd_.lease, rd_.dst, rd_.len, *rd_.cache);
+    release_lease(rd_.lease, rd_.dst, rd_.len, rd_.cache);
     rd_ = pending_read{};
   }
 
@@ -1713,7 +1714,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   void end_flush() noexcept {
-    if (fl_.lease) release_lease(fl_.lease, fl_.addr, 1, *dq_->device_mrs);
+    release_lease(fl_.lease, fl_.addr, 1, dq_->device_mrs.get());
     fl_ = pending_flush{};
   }
 
@@ -1945,7 +1946,6 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   pending_read rd_{};
   pending_flush fl_{};
   flush_node flush_work_{};
-  bool needs_flush_ = false;  // GPUDirect: receives into GPU memory end with a flush
 
   // send side
   proto::fifo<frame, &frame::prev, &frame::next> tx_{};
