@@ -20,7 +20,7 @@
 
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
-#include <gdr/cuda/copy.hpp>
+#include <gdr/memory/cuda_copy.hpp>
 #include <gdr/cuda/device.hpp>
 #include <gdr/cuda/event_poller.hpp>
 #include <gdr/cuda/stream.hpp>

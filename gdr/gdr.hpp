@@ -43,9 +43,9 @@
 #include <gdr/protocol/engine.hpp>
 #include <gdr/protocol/message.hpp>
 #include <gdr/protocol/options.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 #include <gdr/transport/loopback.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/path.hpp>
 #include <gdr/transport/tcp.hpp>
 
 // Bootstrap
@@ -54,7 +54,7 @@
 #include <gdr/bootstrap/tcp_rendezvous.hpp>
 
 #if GDR_HAS_CUDA
-#include <gdr/cuda/copy.hpp>
+#include <gdr/memory/cuda_copy.hpp>
 #include <gdr/cuda/device.hpp>
 #include <gdr/cuda/error.hpp>
 #include <gdr/cuda/event_poller.hpp>

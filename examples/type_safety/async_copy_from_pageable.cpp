@@ -6,7 +6,7 @@
 #include <system_error>
 #include <vector>
 
-#include <gdr/cuda/copy.hpp>
+#include <gdr/memory/cuda_copy.hpp>
 #include <gdr/cuda/stream.hpp>
 #include <gdr/memory/buffer.hpp>
 

@@ -61,7 +61,7 @@
 /// The staged path's copy engine
 /// =============================
 /// The poller is also the scheduler's `gdr::copy_engine`
-/// (gdr/protocol/staging.hpp): it takes that slot too, unless another copy
+/// (gdr/sched/copy_engine.hpp): it takes that slot too, unless another copy
 /// engine already holds it (that one stays). `copy()` queues a
 /// `cudaMemcpyAsync` on one of the poller's own streams, one per GPU and
 /// direction, created on first use: so device-to-host and host-to-device
@@ -119,11 +119,10 @@
 #include <vector>
 
 #include <gdr/error.hpp>
-#include <gdr/protocol/staging.hpp>
+#include <gdr/sched/copy_engine.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
 
 namespace gdr::cuda {
 

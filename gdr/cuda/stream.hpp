@@ -21,7 +21,7 @@
 
 #include <utility>
 
-#include <gdr/transport/common.hpp>
+#include <gdr/sched/stream_order.hpp>
 
 namespace gdr::cuda {
 

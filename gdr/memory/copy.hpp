@@ -52,7 +52,7 @@
 #include <gdr/memory/view.hpp>
 
 #if GDR_HAS_CUDA
-#include <gdr/cuda/copy.hpp>
+#include <gdr/memory/cuda_copy.hpp>
 #include <gdr/cuda/stream.hpp>
 #endif
 

@@ -31,8 +31,8 @@
 #include <gdr/memory/view.hpp>
 #include <gdr/protocol/engine.hpp>
 #include <gdr/protocol/options.hpp>
-#include <gdr/transport/common.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/common.hpp>
+#include <gdr/transfer/path.hpp>
 
 namespace gdr {
 

@@ -74,7 +74,7 @@
 /// the memory: copies out (device-to-host into a tx slot, whose frame then
 /// carries the segment) and in (the transport places a payload into an rx
 /// slot, then a host-to-device copy), through the scheduler's `copy_engine`
-/// (gdr/protocol/staging.hpp). Rendezvous data goes as several `data` frames
+/// (gdr/sched/copy_engine.hpp). Rendezvous data goes as several `data` frames
 /// (offset, `last` flag), puts and gets as several requests. A receiver with
 /// no free rx slot pauses reading. An operation finishes only when no copy
 /// touches its memory and it holds no slot; slots freed from inside
@@ -143,11 +143,11 @@
 #include <gdr/memory/registration.hpp>
 #include <gdr/protocol/message.hpp>
 #include <gdr/protocol/options.hpp>
-#include <gdr/protocol/staging.hpp>
+#include <gdr/sched/copy_engine.hpp>
 #include <gdr/sched/cancellable.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 
 namespace gdr::detail::proto {
 

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <system_error>
 
-#include <gdr/transport/common.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/common.hpp>
+#include <gdr/transfer/path.hpp>
 
 namespace gdr {
 
@@ -89,7 +89,7 @@ struct protocol_options {
   /// (`errc::unsupported`), it is never downgraded. `GDR_LOG=path` prints
   /// each decision.
   force_path force = force_path::automatic;
-  /// The staged path of `Device` memory (`gdr/protocol/staging.hpp`).
+  /// The staged path of `Device` memory (`gdr/sched/copy_engine.hpp`).
   staging_options staging{};
 };
 

@@ -1,5 +1,5 @@
 // gdr/cuda/event_poller.hpp as the staged path's copy engine
-// (gdr::copy_engine, gdr/protocol/staging.hpp). The slots and the argument
+// (gdr::copy_engine, gdr/sched/copy_engine.hpp). The slots and the argument
 // checks run anywhere; the copies need a GPU: round trips of random bytes
 // through pinned memory, completion order per direction, both directions at
 // once, stream ordering with `after`, node reuse, and a completion that
@@ -24,7 +24,7 @@
 #include <gdr/cuda/event_poller.hpp>
 #include <gdr/cuda/stream.hpp>
 #include <gdr/memory/buffer.hpp>
-#include <gdr/protocol/staging.hpp>
+#include <gdr/sched/copy_engine.hpp>
 #include <gdr/sched/scheduler.hpp>
 
 #include "tests/cuda/cuda_test_support.hpp"

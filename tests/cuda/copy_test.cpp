@@ -1,4 +1,4 @@
-// gdr/cuda/copy.hpp: memcpy_async (queue now, wait later) and the copy-engine
+// gdr/memory/cuda_copy.hpp: memcpy_async (queue now, wait later) and the copy-engine
 // awaitable behind gdr::copy, with random data in every direction
 // (H2D, D2H, D2D, and peer D2D where there are two GPUs), in busy_poll and
 // sleep mode with both wake strategies.
@@ -12,7 +12,7 @@
 
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
-#include <gdr/cuda/copy.hpp>
+#include <gdr/memory/cuda_copy.hpp>
 #include <gdr/cuda/event_poller.hpp>
 #include <gdr/cuda/stream.hpp>
 #include <gdr/memory/buffer.hpp>

@@ -6,7 +6,13 @@
 #   2. memory's types (space, access, view, remote_view, registration) include
 #      neither gdr/cuda/ nor a CUDA header: they describe memory and compile
 #      without CUDA; the CUDA-backed operations (copy, resource, buffer) sit
-#      above gdr/cuda/ and may include it.
+#      above gdr/cuda/ and may include it;
+#   3. the folders form a stack, and every include points down it (or stays
+#      in its folder): gdr/*.hpp (config, error) < sched < coro < cuda, verbs
+#      < memory < transfer < protocol < transport < bootstrap, with
+#      gdr/gdr.hpp, the umbrella, above all. transport/'s own folders
+#      (loopback, tcp, verbs) sit on its files' level and may include each
+#      other only without a cycle. A new folder must be given its place here.
 #
 #   bash tests/layering/check_layering.sh [ROOT]    # ROOT holds gdr/; default .
 #
@@ -92,6 +98,66 @@ for ((r = 0; r < ${#rules[@]}; r += 3)); do
   fi
   echo "checked $matched header(s) matching $from against $forbidden"
 done
+
+# Rule 3: the folder stack. folder_of HEADER: its folder below gdr/ ("." for
+# gdr/*.hpp, "transport/tcp" for a transport folder's header).
+declare -A rank=([.]=0 [sched]=1 [coro]=2 [cuda]=3 [verbs]=3 [memory]=4 [transfer]=5 [protocol]=6
+  [transport]=7 [bootstrap]=8)
+folder_of() {
+  local p=${1#gdr/}
+  case $p in
+    */*/*) p=${p%/*}; [[ $p == transport/* ]] || p=${p%%/*} ;;
+    */*) p=${p%%/*} ;;
+    *) p=. ;;
+  esac
+  echo "$p"
+}
+rank_of() {  # the rank of a folder (transport/X: transport's)
+  local f=${1%%/*}
+  [[ $1 == . ]] && f=.
+  [[ -v rank[$f] ]] && echo "${rank[$f]}"
+}
+sub_edges=()
+folders_checked=0
+for h in "${headers[@]}"; do
+  [[ $h == gdr/gdr.hpp ]] && continue  # the umbrella includes everything
+  from=$(folder_of "$h")
+  rf=$(rank_of "$from")
+  if [[ -z $rf ]]; then
+    echo "layering violation: folder '$from' has no place in the stack (rule 3 in $0)"
+    violations=$((violations + 1))
+    continue
+  fi
+  folders_checked=$((folders_checked + 1))
+  while IFS= read -r inc; do
+    [[ $inc == gdr/* ]] || continue
+    to=$(folder_of "$inc")
+    [[ $to == "$from" ]] && continue
+    rt=$(rank_of "$to")
+    if [[ $from == transport* && $to == transport* ]]; then
+      # Inside transport/: its folders may include each other (no cycle,
+      # checked below); a folder's header never includes transport/'s own
+      # files (the umbrellas that include the folders).
+      if [[ $to == transport ]]; then
+        echo "layering violation: $h includes $inc (a transport folder includes transport/'s umbrella)"
+        violations=$((violations + 1))
+      elif [[ $from != transport ]]; then
+        sub_edges+=("$from $to")
+      fi
+      continue
+    fi
+    if [[ -z $rt ]] || ((rt >= rf)); then
+      echo "layering violation: $h includes $inc ($from may include only folders below it)"
+      violations=$((violations + 1))
+    fi
+  done < <(includes_of "$h")
+done
+if ((${#sub_edges[@]})) && ! printf '%s\n' "${sub_edges[@]}" | tsort >/dev/null 2>&1; then
+  echo "layering violation: transport/'s folders include each other in a cycle:"
+  printf '  %s\n' "${sub_edges[@]}" | sort -u
+  violations=$((violations + 1))
+fi
+echo "checked $folders_checked header(s) against the folder stack"
 
 if ((violations)); then
   echo "$violations layering violation(s)"

@@ -65,6 +65,27 @@ echo '#include <cuda_runtime_api.h>' >>"$work/runtime/gdr/memory/remote_view.hpp
 expect "a memory type including a CUDA header fails" 1 \
   '^  gdr/memory/remote_view.hpp -> cuda_runtime_api.h$' "$work/runtime"
 
+fresh_copy "$work/upward"
+echo '#include <gdr/memory/view.hpp>' >>"$work/upward/gdr/cuda/stream.hpp"
+expect "an include up the folder stack (cuda -> memory) fails" 1 \
+  '^layering violation: gdr/cuda/stream.hpp includes gdr/memory/view.hpp \(cuda may include only folders below it\)$' \
+  "$work/upward"
+
+fresh_copy "$work/protocol_up"
+echo '#include <gdr/transport/tcp/frame.hpp>' >>"$work/protocol_up/gdr/protocol/options.hpp"
+expect "the protocol layer including a transport fails" 1 \
+  'gdr/protocol/options.hpp includes gdr/transport/tcp/frame.hpp' "$work/protocol_up"
+
+fresh_copy "$work/cycle"
+echo '#include <gdr/transport/verbs/endpoint.hpp>' >>"$work/cycle/gdr/transport/tcp/frame.hpp"
+expect "transport folders including each other in a cycle fail" 1 \
+  "^layering violation: transport/'s folders include each other in a cycle:$" "$work/cycle"
+
+fresh_copy "$work/newfolder"
+mkdir -p "$work/newfolder/gdr/ipc"
+printf '#pragma once\n#include <gdr/error.hpp>\n' >"$work/newfolder/gdr/ipc/ring.hpp"
+expect "a folder with no place in the stack fails" 1 "folder 'ipc' has no place in the stack" "$work/newfolder"
+
 fresh_copy "$work/renamed"
 rm "$work/renamed"/gdr/sched/*.hpp
 expect "a rule that matches no header refuses to pass" 2 'no header matches' "$work/renamed"

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include <gdr/error.hpp>
-#include <gdr/protocol/staging.hpp>
+#include <gdr/sched/copy_engine.hpp>
 #include <gdr/sched/scheduler.hpp>
 
 namespace gdr_test_support {

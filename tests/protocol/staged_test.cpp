@@ -1,4 +1,4 @@
-// The staged path (gdr/protocol/staging.hpp, engine.hpp "the staged path"):
+// The staged path (gdr/sched/copy_engine.hpp, engine.hpp "the staged path"):
 // Device memory over every transport, through pinned bounce buffers.
 //
 // Over loopback and TCP (and, built with CONFORMANCE_VERBS=1, over verbs in

@@ -1,4 +1,4 @@
-// gdr/transport/verbs/mesh.hpp: ranks in forked processes meet through the
+// gdr/bootstrap/verbs_mesh.hpp: ranks in forked processes meet through the
 // TCP rendezvous (on 127.0.0.1) and build a mesh of verbs endpoints on the
 // RDMA device's address (GDR_VERBS_IP), then every pair exchanges
 // checksummed messages both ways (eager and rendezvous); a rank that cannot
@@ -15,7 +15,7 @@
 
 #include <gdr/bootstrap/tcp_rendezvous.hpp>
 #include <gdr/coro/sync_wait.hpp>
-#include <gdr/transport/verbs/mesh.hpp>
+#include <gdr/bootstrap/verbs_mesh.hpp>
 
 #include "tests/bootstrap/exchange.hpp"
 #include "tests/bootstrap/multiprocess.hpp"

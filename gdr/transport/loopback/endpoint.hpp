@@ -56,8 +56,8 @@
 #include <gdr/protocol/engine.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/common.hpp>
+#include <gdr/transfer/path.hpp>
 
 namespace gdr {
 
@@ -77,7 +77,7 @@ using endpoint_stats = protocol_stats;
 
 }  // namespace loopback
 
-// The loopback transport's rows of the path table (gdr/transport/path.hpp):
+// The loopback transport's rows of the path table (gdr/transfer/path.hpp):
 // one memcpy from the sender's buffer into the receiver's (early eager
 // messages: two). Host and Pinned, either side, every operation:
 // zero-copy. Device: unsupported until loopback stages through the copy

@@ -21,7 +21,7 @@
 #include <gdr/error.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 #include <gdr/transport/tcp/endpoint.hpp>
 #include <gdr/transport/tcp/socket.hpp>
 #include <gdr/transport/tcp/socket_op.hpp>

@@ -64,7 +64,7 @@
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 #include <gdr/transport/tcp/frame.hpp>
 #include <gdr/transport/tcp/socket.hpp>
 

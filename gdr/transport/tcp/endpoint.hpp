@@ -59,14 +59,14 @@
 #include <gdr/memory/registration.hpp>
 #include <gdr/protocol/endpoint.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/common.hpp>
+#include <gdr/transfer/path.hpp>
 #include <gdr/transport/tcp/connection.hpp>
 #include <gdr/transport/tcp/socket.hpp>
 
 namespace gdr {
 
-// The TCP transport's rows of the path table (gdr/transport/path.hpp):
+// The TCP transport's rows of the path table (gdr/transfer/path.hpp):
 // `sendmsg` from the user's buffer, and large payloads read straight into
 // it (the kernel still copies between it and the socket buffers). Host and
 // Pinned, either side, every operation: zero-copy. Device: unsupported

@@ -23,7 +23,7 @@
 #include <gdr/sched/cancellable.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 
 namespace gdr::detail::tcp {
 

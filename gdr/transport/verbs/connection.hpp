@@ -125,7 +125,7 @@
 #include <gdr/protocol/engine.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 #include <gdr/transport/verbs/completion.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 

@@ -48,14 +48,14 @@
 #include <gdr/error.hpp>
 #include <gdr/memory/space.hpp>
 #include <gdr/protocol/endpoint.hpp>
-#include <gdr/transport/common.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/common.hpp>
+#include <gdr/transfer/path.hpp>
 #include <gdr/transport/verbs/connection.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
 
 namespace gdr {
 
-// The verbs transport's rows of the path table (gdr/transport/path.hpp):
+// The verbs transport's rows of the path table (gdr/transfer/path.hpp):
 // host memory on both sides moves zero-copy (RDMA from and into the users'
 // buffers; small messages through the bounce buffers); Device memory, on
 // either side, is probed: zero-copy through GPUDirect RDMA if the probe of

@@ -158,7 +158,7 @@ TEST_CASE("op_options braced inside the co_await expression are destroyed once")
   // GCC 12 destroyed an aggregate temporary built there twice: the stop
   // token's shared state was released early, and a later request_stop (or
   // the source's destructor) touched freed memory; ASan names it. op_options
-  // has constructors so that this cannot happen (gdr/transport/common.hpp).
+  // has constructors so that this cannot happen (gdr/transfer/common.hpp).
   gdr_test::watchdog wd(30);
   gdr::scheduler sched;
   auto ends = lb::make_pair(sched);

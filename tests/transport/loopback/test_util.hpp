@@ -13,7 +13,7 @@
 #include <utility>
 
 #include <gdr/coro/task.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 
 #include "tests/support/watchdog.hpp"
 

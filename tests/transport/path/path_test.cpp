@@ -1,4 +1,4 @@
-// gdr/transport/path.hpp: every row of today's transports as a compile-time
+// gdr/transfer/path.hpp: every row of today's transports as a compile-time
 // table, the staged and probed kinds through a test transport, forcing a path,
 // the decision record and its log line. Built twice (BUILD.bazel): without
 // GDR_LOG and with GDR_LOG=tcp,path; the logging test checks whichever it got.
@@ -15,7 +15,7 @@
 
 #include <gdr/error.hpp>
 #include <gdr/transport/loopback.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/path.hpp>
 #include <gdr/transport/tcp.hpp>
 #include "tests/support/capture_stderr.hpp"
 

@@ -1,7 +1,7 @@
 // Must NOT compile: a transport that declares no rows gets the conservative
 // default, unsupported, for everything, with the default's message.
 #include <gdr/transport/loopback.hpp>
-#include <gdr/transport/path.hpp>
+#include <gdr/transfer/path.hpp>
 #include <gdr/transport/tcp.hpp>
 
 struct rowless_transport;

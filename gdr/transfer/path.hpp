@@ -63,7 +63,7 @@
 #include <gdr/error.hpp>
 #include <gdr/memory/access.hpp>
 #include <gdr/memory/space.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/transfer/common.hpp>
 
 namespace gdr {
 
@@ -474,7 +474,7 @@ struct cpu_transport_rows<Transport, Op, Local, AnySpace>
     : path_row<path_kind::zero_copy, transfer_path::host_zero_copy> {};
 
 // Device memory on either side: staged through Pinned bounce buffers by
-// the protocol layer (gdr/protocol/staging.hpp), on the side that owns it.
+// the protocol layer (gdr/sched/copy_engine.hpp), on the side that owns it.
 template <class Transport, class Op, class Local, class Remote>
   requires local_memory_space<Local> && (space_traits<Local>::on_device) &&
            (std::is_same_v<Remote, AnySpace> || local_memory_space<Remote>)

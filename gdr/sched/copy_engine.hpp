@@ -31,8 +31,7 @@
 #include <gdr/error.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
-#include <gdr/protocol/options.hpp>
-#include <gdr/transport/common.hpp>
+#include <gdr/sched/stream_order.hpp>
 
 namespace gdr {
 

@@ -5,7 +5,7 @@
 ///
 /// "Move bytes" (a transport: loopback, tcp, ipc, verbs) is kept apart from
 /// "how to move these bytes" (the protocol layer, `gdr/protocol/`, and the
-/// path table, `gdr/transport/path.hpp`), as UCX keeps `uct/` apart from `ucp/`.
+/// path table, `gdr/transfer/path.hpp`), as UCX keeps `uct/` apart from `ucp/`.
 #pragma once
 
 #include <array>
@@ -17,22 +17,9 @@
 
 #include <gdr/memory/access.hpp>
 #include <gdr/memory/space.hpp>
-
-// CUDA's stream type (`cudaStream_t` is `CUstream_st*`), named here so that
-// options can carry a stream without this header needing CUDA.
-struct CUstream_st;
+#include <gdr/sched/stream_order.hpp>
 
 namespace gdr {
-
-/// A CUDA stream an operation is ordered after (`op_options::after`): the
-/// operation's device copies wait for the work already queued on `stream`
-/// (a producer kernel) without a host synchronize. Made by
-/// `gdr::cuda::after(stream)`. Empty: no ordering.
-struct stream_order {
-  CUstream_st* stream = nullptr;
-  int device = -1;  ///< the stream's GPU
-  explicit operator bool() const noexcept { return stream != nullptr; }
-};
 
 /// Options every transport operation accepts.
 ///
