@@ -119,6 +119,17 @@
 ///   * `link_flush()`: the end of an outermost handler, after the ready
 ///     operations resumed (a transport writes what they queued).
 ///   * `link_quiet()`: no kernel request of the transport is in flight.
+///
+/// The re-entrancy rule: the engine never calls a `link_*` hook from
+/// inside an event (between the transport's `enter()` and `leave()`,
+/// where the transport may be walking its own queues). What an event
+/// decides (posts, withdrawals, the abort of a placement, resuming the
+/// reader, the shutdown) is queued and made, in order, at the end of the
+/// outermost event, in `leave()`, before `link_flush()`. Outside every
+/// event (an operation starting from its `await_suspend`) the hooks are
+/// called at once. Debug builds assert it. Which list an operation is on
+/// is recorded in the operation (`op::list_`), never inferred from its
+/// stage; taking a node off a list it is not on is an assertion.
 #pragma once
 
 #include <liburing.h>
@@ -171,7 +182,10 @@ struct fifo {
     tail = n;
     ++size;
   }
+  /// Unlinks `n`, which must be on this list (an assertion: unlinking a
+  /// node that is not would silently empty the list).
   void erase(T* n) noexcept {
+    assert((n->*Prev != nullptr ? (n->*Prev)->*Next == n : head == n) && "gdr: fifo::erase of a node not on the list");
     (n->*Prev ? (n->*Prev)->*Next : head) = n->*Next;
     (n->*Next ? (n->*Next)->*Prev : tail) = n->*Prev;
     n->*Prev = n->*Next = nullptr;
@@ -192,6 +206,10 @@ struct frame {
   op* owner = nullptr;                 ///< the operation it belongs to, or
   reply_slot* slot = nullptr;          ///< the reply slot it belongs to (or neither: the engine's own)
   stage_slot* sslot = nullptr;         ///< the staging slot it belongs to (a segment)
+  /// The engine's outbox (frames posted inside an event, handed to the
+  /// transport at its end): the next one, and whether it is there.
+  frame* out_next = nullptr;
+  bool in_outbox = false;
   // ---- the transport's (queue links, progress, its encoding of the header) ----
   frame* prev = nullptr;
   frame* next = nullptr;
@@ -219,6 +237,7 @@ struct frame {
   /// Makes the frame a fresh one of `owner` (no transport state, a zero
   /// header), without touching `encoded`.
   void reset(op* o) noexcept {
+    assert(!in_outbox && "gdr: a frame in the engine's outbox was reused");
     hdr = header{};
     payload = nullptr;
     owner = o;
@@ -463,15 +482,26 @@ class op : private gdr::detail::cancellable<op> {
   bool go_ = false;           // send: the rtr came; put/get: requests may go
   bool after_used_ = false;   // opts_.after was applied (to the first copy)
   bool waiting_ = false;      // in the engine's queue for a staging slot
-  bool in_staging_ = false;   // in the engine's staging_ list
   bool pump_due_ = false;     // in the engine's pumps_ (deferred to the end of the event)
+  bool answers_dropped_ = false;  // put/get: remember_range holds its requests out
+  bool finish_due_ = false;   // in the engine's finishes_ (try_finish at the end of the event)
+  bool stop_due_ = false;     // in the engine's stops_ (a stop handled at the end of the event)
+  std::error_code stop_why_{};  // stop_due_: its reason
   stage_slot* sq_head_ = nullptr;  // tx slots it holds, by offset
   stage_slot* sq_tail_ = nullptr;
   early_msg* early_ = nullptr;     // recv: a kept message to deliver once an rx slot is free
 
  public:  // links of the engine's lists (fifo needs them as template arguments)
-  op* prev_ = nullptr;  // the one engine list it is in
+  op* prev_ = nullptr;  // links in list_, the one engine list it is on
   op* next_ = nullptr;
+
+ private:
+  /// The engine list it is on (null: none). Set and cleared only by
+  /// engine::enlist / engine::delist: which list holds an operation is
+  /// recorded here, never inferred from its stage.
+  fifo<op, &op::prev_, &op::next_>* list_ = nullptr;
+  op* due_next_ = nullptr;  // finishes_ / stops_ links (an op is on at most one of each at a time)
+  op* stop_next_ = nullptr;
 
  private:
   op* ready_next_ = nullptr;
@@ -555,8 +585,48 @@ class engine {
   }
 
   /// A stop or a timeout reached `o` (its reason `why`). Loop thread,
-  /// inside enter()/leave().
+  /// inside enter()/leave(). Handled at the end of the event (do_cancel),
+  /// where the transport may be called.
   void cancel(op& o, std::error_code why) noexcept {
+    if (o.result_set_ || o.stop_due_) return;
+    if (link_calls_now()) {
+      do_cancel(o, why);
+      return;
+    }
+    o.stop_due_ = true;
+    o.stop_why_ = why;
+    o.stop_next_ = nullptr;
+    (stops_tail_ ? stops_tail_->stop_next_ : stops_head_) = &o;
+    stops_tail_ = &o;
+  }
+
+  // Every event runs between enter() and leave(). leave() resumes what
+  // completed, now that the state is consistent, makes the transport calls
+  // the event queued (the re-entrancy rule in the file comment), lets the
+  // transport write what the resumed coroutines queued, and frees an
+  // abandoned engine.
+  void enter() noexcept { ++busy_; }
+  void leave() noexcept {
+    for (;;) {
+      while (op* o = ready_head_) {
+        ready_head_ = o->ready_next_;
+        if (ready_head_ == nullptr) ready_tail_ = nullptr;
+        --attached_;
+        o->waiter_.resume();  // may start ops, or destroy the endpoint
+      }
+      if (busy_ != 1) break;
+      if (drain()) continue;
+      if (run_deferred()) continue;
+      if (link_flush()) continue;
+      break;
+    }
+    if (--busy_ == 0 && abandoned_ && deletable()) destroy();
+  }
+
+ private:
+  /// The stop of `o` (see "Cancellation" in the file comment); the
+  /// transport may be called.
+  void do_cancel(op& o, std::error_code why) noexcept {
     if (o.result_set_) return;
     switch (o.kind_) {
       case op::kind::recv: complete(o, why); return;
@@ -573,10 +643,10 @@ class engine {
           complete(o, why);
           return;
         }
-        if (o.stage_ == op::stage::awaiting && o.f1_.queued && link_withdraw(o.f1_)) {
+        if (o.stage_ == op::stage::awaiting && o.f1_.queued && withdraw(o.f1_)) {
           // The request never left: no answer will come.
           o.f1_.queued = false;
-          rma_.erase(&o);
+          delist(o);
           o.stage_ = op::stage::idle;
         } else if (o.f1_.queued && link_committed(o.f1_)) {
           // Being written: it completes with `why` once the request is out
@@ -590,26 +660,7 @@ class engine {
     }
   }
 
-  // Every event runs between enter() and leave(). leave() resumes what
-  // completed, now that the state is consistent, lets the transport write
-  // what the resumed coroutines queued, and frees an abandoned engine.
-  void enter() noexcept { ++busy_; }
-  void leave() noexcept {
-    for (;;) {
-      while (op* o = ready_head_) {
-        ready_head_ = o->ready_next_;
-        if (ready_head_ == nullptr) ready_tail_ = nullptr;
-        --attached_;
-        o->waiter_.resume();  // may start ops, or destroy the endpoint
-      }
-      if (busy_ != 1) break;
-      if (run_deferred()) continue;
-      if (link_flush()) continue;
-      break;
-    }
-    if (--busy_ == 0 && abandoned_ && deletable()) destroy();
-  }
-
+ public:
   void push_ready(op& o) noexcept {
     o.ready_next_ = nullptr;
     (ready_tail_ ? ready_tail_->ready_next_ : ready_head_) = &o;
@@ -677,7 +728,7 @@ class engine {
 
   /// Sends the hello. The transport calls it once, when it is ready to
   /// write (before any other frame can be posted).
-  void start_protocol() noexcept { link_post(hello_); }
+  void start_protocol() noexcept { post(hello_); }
 
   // ---------------------------------------------------------------- transport hooks
 
@@ -894,7 +945,119 @@ class engine {
   };
 
   bool deletable() const noexcept {
-    return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && link_quiet();
+    return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && outbox_head_ == nullptr &&
+           link_quiet();
+  }
+
+  // ---------------------------------------------------------------- lists and the transport's calls
+  //
+  // Which list an operation is on is its `list_`, set only here.
+  void enlist(op_list& l, op& o) noexcept {
+    assert(o.list_ == nullptr && "gdr: an operation put on a second list");
+    l.push_back(&o);
+    o.list_ = &l;
+  }
+  void delist(op& o) noexcept {
+    if (o.list_ == nullptr) return;
+    o.list_->erase(&o);
+    o.list_ = nullptr;
+  }
+
+  // The re-entrancy rule: nothing done inside an event calls the transport.
+  // Posts, withdrawals, aborts, resumes and the shutdown that an event
+  // decides are queued and made at its end (drain(), from the outermost
+  // leave()), when the transport has finished walking its own state.
+  // Outside every event (an operation starting from await_suspend) they
+  // are made at once.
+
+  /// The transport may be called now.
+  bool link_calls_now() const noexcept { return busy_ == 0 || draining_; }
+
+  /// Posts `f` now, or at the end of the event.
+  void post(frame& f) noexcept {
+    if (link_calls_now()) {
+      link_post(f);
+      return;
+    }
+    assert(!f.in_outbox);
+    f.in_outbox = true;
+    f.out_next = nullptr;
+    (outbox_tail_ ? outbox_tail_->out_next : outbox_head_) = &f;
+    outbox_tail_ = &f;
+  }
+
+  /// `f` is the engine's or the transport's until on_sent.
+  static bool held_by_link(const frame& f) noexcept { return f.queued || f.in_outbox; }
+
+  /// Takes `f` back: from the outbox at any time, from the transport only
+  /// where it may be called. True: withdrawn (no on_sent will come).
+  bool withdraw(frame& f) noexcept {
+    if (f.in_outbox) {
+      frame* prev = nullptr;
+      for (frame* x = outbox_head_; x != &f; x = x->out_next) prev = x;
+      (prev ? prev->out_next : outbox_head_) = f.out_next;
+      if (outbox_tail_ == &f) outbox_tail_ = prev;
+      f.in_outbox = false;
+      f.out_next = nullptr;
+      return true;
+    }
+    assert(link_calls_now() && "gdr: the engine withdrew a frame from inside a transport event");
+    return link_withdraw(f);
+  }
+
+  /// The current placement's owner is gone: stop it (now, or at the end of
+  /// the event if it is still dead then).
+  void request_abort() noexcept {
+    if (link_calls_now()) {
+      abort_current();
+    } else {
+      abort_due_ = true;
+    }
+  }
+
+  /// The placement in progress is for something that no longer wants it.
+  bool current_target_dead() const noexcept {
+    switch (cur_.kind) {
+      case target::op_payload:
+      case target::via_host: return cur_.o->result_set_;
+      case target::stage_rx: return cur_.b->owner != nullptr ? cur_.b->owner->result_set_ : failed();
+      case target::store:
+      case target::serve_put: return failed();
+      default: return false;
+    }
+  }
+
+  /// Makes the transport calls the event queued, in order. True if it made
+  /// any (what they complete is resumed by leave()).
+  bool drain() noexcept {
+    if (!shutdown_due_ && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
+        finishes_head_ == nullptr && !resume_due_)
+      return false;
+    draining_ = true;
+    if (std::exchange(shutdown_due_, false)) link_shutdown();
+    while (frame* f = outbox_head_) {
+      outbox_head_ = f->out_next;
+      if (outbox_head_ == nullptr) outbox_tail_ = nullptr;
+      f->in_outbox = false;
+      f->out_next = nullptr;
+      link_post(*f);
+    }
+    if (std::exchange(abort_due_, false) && current_target_dead()) abort_current();
+    while (op* o = stops_head_) {
+      stops_head_ = o->stop_next_;
+      if (stops_head_ == nullptr) stops_tail_ = nullptr;
+      o->stop_due_ = false;
+      do_cancel(*o, o->stop_why_);
+    }
+    while (op* o = finishes_head_) {
+      finishes_head_ = o->due_next_;
+      if (finishes_head_ == nullptr) finishes_tail_ = nullptr;
+      o->finish_due_ = false;
+      finish_now(*o);
+    }
+    if (std::exchange(resume_due_, false) && !paused_ && !error_) link_resume();
+    draining_ = false;
+    return true;
   }
 
   static rx_plan consumed() noexcept { return {}; }
@@ -954,7 +1117,7 @@ class engine {
       return false;
     }
     o.stage_ = op::stage::posted;
-    recvs_.push_back(&o);
+    enlist(recvs_, o);
     resume_reading();
     return true;
   }
@@ -979,7 +1142,7 @@ class engine {
     }
     if (!got_hello_) {
       o.stage_ = op::stage::held;
-      held_.push_back(&o);
+      enlist(held_, o);
       return true;
     }
     return launch(o);
@@ -1015,12 +1178,12 @@ class engine {
           h.tag = o.tag_;
           h.id = o.id_;
           o.stage_ = op::stage::announced;
-          announced_.push_back(&o);
+          enlist(announced_, o);
           if (o.dev_ >= 0) {
             // Copy the first chunks out while the announcement travels.
             o.seg_ = own_segment();
             o.total_ = o.size_;
-            link_post(f);
+            post(f);
             pump(o);
             return true;
           }
@@ -1044,12 +1207,12 @@ class engine {
         // Awaiting its answer from now on: the answer may be parsed before
         // the write's own completion is.
         o.stage_ = op::stage::awaiting;
-        rma_.push_back(&o);
+        enlist(rma_, o);
         break;
       }
       default: break;
     }
-    link_post(f);
+    post(f);
     return true;
   }
 
@@ -1090,38 +1253,36 @@ class engine {
     op& o = *close_op_;
     o.f1_.hdr = header{};
     o.f1_.hdr.type = msg::close;
-    link_post(o.f1_);
+    post(o.f1_);
   }
 
   void cancel_send(op& o, std::error_code why) noexcept {
     switch (o.stage_) {
       case op::stage::held:
-        held_.erase(&o);
-        complete(o, why);
+        complete(o, why);  // takes it off held_
         return;
       case op::stage::queued:  // eager
         if (o.staged()) {
           stage_slot* b = o.sq_head_;
           if (b != nullptr && b->posted) {
-            if (!link_withdraw(b->f)) return;  // committed: it completes when written
+            if (!withdraw(b->f)) return;  // committed: it completes when written
             b->f.queued = false;
             b->posted = false;
           }
           complete(o, why);  // a copy still running holds the finish back
           return;
         }
-        if (link_withdraw(o.f1_)) {
+        if (withdraw(o.f1_)) {
           o.f1_.queued = false;
           complete(o, why);
         }
         // else committed: it completes when written.
         return;
       case op::stage::announced:
-        if (o.f1_.queued && link_withdraw(o.f1_)) {
+        if (o.f1_.queued && withdraw(o.f1_)) {
           // The rts never left: withdrawn.
           o.f1_.queued = false;
-          announced_.erase(&o);
-          complete(o, why);
+          complete(o, why);  // takes it off announced_
           ++stats_->withdrawn;
           return;
         }
@@ -1131,7 +1292,7 @@ class engine {
         o.f3_.reset(&o);
         o.f3_.hdr.type = msg::rts_cancel;
         o.f3_.hdr.id = o.id_;
-        link_post(o.f3_);
+        post(o.f3_);
         return;
       default: return;  // withdrawing already, or committed (sending)
     }
@@ -1147,28 +1308,19 @@ class engine {
     o.ec_ = ec;
     switch (o.stage_) {
       case op::stage::sending: --rendezvous_out_; break;
-      case op::stage::held: held_.erase(&o); break;
-      case op::stage::posted: recvs_.erase(&o); break;
-      case op::stage::announced:
-      case op::stage::withdrawing: announced_.erase(&o); break;
       case op::stage::awaiting:
         if (o.kind_ == op::kind::recv) {
-          awaiting_data_.erase(&o);
           // The data will come: drop it.
           if (!error_) remember(dropped_tokens_, o.id_);
-        } else {
-          rma_.erase(&o);
+        } else if (!error_ && !o.segmented()) {
           // A request the peer has (or will have) seen: its answer must be
           // recognised and dropped.
-          if (!error_ && !o.segmented()) remember(dropped_answers_, o.id_);
+          remember(dropped_answers_, o.id_);
         }
         break;
       default: break;
     }
-    if (o.in_staging_) {
-      staging_.erase(&o);
-      o.in_staging_ = false;
-    }
+    delist(o);
     if (o.waiting_) stop_waiting(o);
     if (o.pump_due_) {
       std::erase(pumps_, &o);
@@ -1178,25 +1330,42 @@ class engine {
       delete o.early_;
       o.early_ = nullptr;
     }
-    if (o.segmented() && o.kind_ != op::kind::send && o.kind_ != op::kind::recv) {
-      // Requests not yet written are taken back; answers to those out will
-      // be dropped.
-      release_segments(o);
-      if (o.out_ != 0 && !error_) remember_range(o.id_, o.id_ + o.nseg_, o.out_);
+    if (o.segmented() && o.kind_ != op::kind::send && o.kind_ != op::kind::recv && o.out_ != 0 && !error_) {
+      // Answers to the requests out will be dropped; requests not yet
+      // written are taken back when it finishes (release_segments), each
+      // one answer fewer to drop.
+      remember_range(o.id_, o.id_ + o.nseg_, o.out_);
+      o.answers_dropped_ = true;
     }
     if (o.placing_ && (cur_.kind == target::op_payload || cur_.kind == target::via_host) && cur_.o == &o)
-      abort_current();
-    if (cur_.kind == target::stage_rx && cur_.b->owner == &o) abort_current();
+      request_abort();
+    if (cur_.kind == target::stage_rx && cur_.b->owner == &o) request_abort();
     o.stage_ = op::stage::idle;
     if (closing_ && o.kind_ == op::kind::send) maybe_post_close();
     try_finish(o);
   }
 
   /// Finishes `o` if its outcome is decided and the transport no longer
-  /// uses its memory.
+  /// uses its memory; where that takes a call of the transport, at the end
+  /// of the event.
   void try_finish(op& o) noexcept {
     if (!o.result_set_ || o.finished_ || o.placing_) return;
-    if (o.f1_.queued | o.f2_.queued | o.f3_.queued) {
+    const bool calls_link = held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_) || o.slots_ != 0 ||
+                            o.kind_ == op::kind::close;
+    if (!calls_link || link_calls_now()) {
+      finish_now(o);
+      return;
+    }
+    if (o.finish_due_) return;
+    o.finish_due_ = true;
+    o.due_next_ = nullptr;
+    (finishes_tail_ ? finishes_tail_->due_next_ : finishes_head_) = &o;
+    finishes_tail_ = &o;
+  }
+
+  void finish_now(op& o) noexcept {
+    if (!o.result_set_ || o.finished_ || o.placing_) return;
+    if (held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_)) {
       if (!frames_released(o)) return;
     }
     // Copies still write or read its memory; its segments' frames are
@@ -1215,12 +1384,13 @@ class engine {
   /// none is left with it.
   bool frames_released(op& o) noexcept {
     for (frame* f : {&o.f1_, &o.f2_, &o.f3_}) {
-      if (!f->queued) continue;
+      if (!held_by_link(*f)) continue;
       // An rtr is never withdrawn: the sender waits for it (the data it
       // brings is dropped).
       if (f->hdr.type == msg::rtr && !error_) return false;
-      if (!link_withdraw(*f)) return false;  // committed or being written: waits for on_sent
-      f->queued = false;
+      const bool was_queued = f->queued;
+      if (!withdraw(*f)) return false;  // committed or being written: waits for on_sent
+      if (was_queued) f->queued = false;
     }
     return true;
   }
@@ -1246,13 +1416,23 @@ class engine {
   void fail(std::error_code ec) noexcept {
     if (error_) return;
     error_ = ec;
-    link_shutdown();
+    if (link_calls_now()) {
+      link_shutdown();
+    } else {
+      shutdown_due_ = true;
+    }
     while (op* o = held_.head) complete(*o, ec);
     while (op* o = announced_.head) complete(*o, ec);
     while (op* o = recvs_.head) complete(*o, ec);
     while (op* o = awaiting_data_.head) complete(*o, ec);
     while (op* o = rma_.head) complete(*o, ec);
-    while (op* o = staging_.head) complete(*o, ec);
+    // A receive in staging_ is copying a kept message into device memory:
+    // its bytes are all here, so it completes as kept messages do.
+    for (op* o = staging_.head; o != nullptr;) {
+      op* next = o->next_;
+      if (o->kind_ != op::kind::recv) complete(*o, ec);
+      o = next;
+    }
     // Announcements kept can no longer be answered.
     for (early_msg* m = early_.head; m != nullptr;) {
       early_msg* next = m->next;
@@ -1270,7 +1450,7 @@ class engine {
     } else if (cur_.kind == target::stage_rx && cur_.b->owner != nullptr) {
       complete(*cur_.b->owner, ec);  // a receive that left every list with its last segment
     } else {
-      abort_current();
+      request_abort();
     }
     if (close_op_ != nullptr) try_finish(*close_op_);
   }
@@ -1281,6 +1461,7 @@ class engine {
     target t = std::exchange(cur_, target{});
     if (t.kind == target::none || t.kind == target::discard) return;
     cur_.kind = target::discard;  // the transport drops the rest
+    assert(link_calls_now() && "gdr: the engine stopped a placement from inside a transport event");
     if (link_abort_target()) {
       release_target(t);
     } else {
@@ -1326,7 +1507,7 @@ class engine {
     return nullptr;
   }
   void take_recv(op& r) noexcept {
-    recvs_.erase(&r);
+    delist(r);
     r.stage_ = op::stage::idle;
   }
 
@@ -1364,7 +1545,7 @@ class engine {
     r.total_ = accept;
     r.issued_ = 0;
     r.done_ = 0;
-    awaiting_data_.push_back(&r);
+    enlist(awaiting_data_, r);
     frame& f = r.f1_;
     f.reset(&r);
     f.hdr.type = msg::rtr;
@@ -1375,13 +1556,17 @@ class engine {
     // Device memory takes the data in frames no larger than its bounce
     // buffers.
     if (r.dev_ >= 0) f.hdr.key = chunk_;
-    link_post(f);
+    post(f);
   }
 
   void resume_reading() noexcept {
     if (paused_) {
       paused_ = false;
-      link_resume();
+      if (link_calls_now()) {
+        link_resume();
+      } else {
+        resume_due_ = true;
+      }
     }
   }
   rx_plan pause_reading() noexcept {
@@ -1397,7 +1582,8 @@ class engine {
     peer_max_ = h.size;
     peer_caps_ = h.tag;
     peer_seg_ = h.addr;
-    while (op* o = held_.pop_front()) {
+    while (op* o = held_.head) {
+      delist(*o);
       o->stage_ = op::stage::idle;
       if (!launch(*o)) complete(*o, o->ec_);  // larger than the peer accepts
     }
@@ -1492,7 +1678,7 @@ class engine {
     if (s == nullptr || h.size > s->size_) return fail_plan();  // not one of ours
     if (s->nic_dev_ >= 0 && h.key != 0) return fail_plan();  // a staging peer: the ends disagree
     if (s->dev_ >= 0 || h.key != 0) return rtr_segmented(*s, h);
-    announced_.erase(s);
+    delist(*s);
     // Committed now, whatever a stop asked: a pending rts_cancel is
     // ignored by the peer, which matched the message first.
     s->stop_reason_ = {};
@@ -1506,7 +1692,7 @@ class engine {
     f.hdr.addr = h.addr;
     f.payload = s->data_;
     mark_nic(f, s->nic_dev_, s->nic_dev_ >= 0);
-    link_post(f);
+    post(f);
     return consumed();
   }
 
@@ -1527,14 +1713,14 @@ class engine {
         if (b == nullptr) return pause_reading();
         r->issued_ += len;
         if (last) {
-          awaiting_data_.erase(r);
+          delist(*r);
           r->stage_ = op::stage::placing;
         }
         return place_in_bounce(*r, *b, off, len, 0);
       }
       r->issued_ += len;
       if (last) {
-        awaiting_data_.erase(r);
+        delist(*r);
         r->stage_ = op::stage::placing;
       }
       r->placing_ = true;
@@ -1661,7 +1847,7 @@ class engine {
     }
     if ((o->kind_ == op::kind::get) != get) return fail_plan();
     if (o->segmented()) return segment_answer(*o, h);
-    rma_.erase(o);
+    delist(*o);
     o->stage_ = op::stage::idle;
     if (h.st != status::ok) {
       complete(*o, errc::remote_access);
@@ -2053,8 +2239,7 @@ class engine {
     if (o.msg_size_ > o.size_) o.ec_ = errc::truncated;
     o.early_ = m;
     o.stage_ = op::stage::placing;
-    staging_.push_back(&o);
-    o.in_staging_ = true;
+    enlist(staging_, o);
     try_deliver_early(o);
   }
 
@@ -2090,8 +2275,7 @@ class engine {
     o.stage_ = op::stage::queued;
     o.seg_ = o.size_;
     o.total_ = o.size_;
-    staging_.push_back(&o);
-    o.in_staging_ = true;
+    enlist(staging_, o);
     pump(o);
     return true;
   }
@@ -2109,7 +2293,7 @@ class engine {
     next_id_ += o.nseg_;
     o.path_ = transfer_path::staged_pinned;
     o.stage_ = op::stage::awaiting;
-    rma_.push_back(&o);
+    enlist(rma_, o);
     if (o.size_ == 0) {
       // Nothing to move: one empty request checks the key.
       stage_slot* b = take(tx_);
@@ -2214,7 +2398,7 @@ class engine {
         default: break;
       }
       b->posted = true;
-      link_post(f);
+      post(f);
     }
   }
 
@@ -2248,9 +2432,12 @@ class engine {
     for (stage_slot* b = o.sq_head_; b != nullptr;) {
       stage_slot* next = b->next;
       if (b->posted) {
-        if (b->f.queued && link_withdraw(b->f)) {
+        if (held_by_link(b->f) && withdraw(b->f)) {
           b->f.queued = false;
-          if (o.kind_ != op::kind::send && o.out_ != 0) --o.out_;  // never sent: no answer
+          if (o.kind_ != op::kind::send && o.out_ != 0) {
+            --o.out_;  // never sent: no answer
+            if (o.answers_dropped_) forget_in_range(o.id_);
+          }
           release_slot(*b);
         }
       } else if (!b->copying) {
@@ -2266,7 +2453,7 @@ class engine {
   rx_plan rtr_segmented(op& s, const header& h) noexcept {
     if (s.dev_ >= 0 && h.key != 0 && h.key < s.seg_) return fail_plan();  // smaller than its hello said
     if (s.dev_ < 0 && ensure_pool(tx_, false)) return fail_plan();
-    announced_.erase(&s);
+    delist(s);
     s.stop_reason_ = {};
     s.stage_ = op::stage::sending;
     ++rendezvous_out_;
@@ -2285,8 +2472,7 @@ class engine {
       }
       b = next;
     }
-    staging_.push_back(&s);
-    s.in_staging_ = true;
+    enlist(staging_, s);
     if (s.total_ == 0) {
       // Nothing accepted: one empty segment ends the message.
       frame& f = s.f2_;
@@ -2294,7 +2480,7 @@ class engine {
       f.hdr.type = msg::data;
       f.hdr.flags = flag::last;
       f.hdr.addr = h.addr;
-      link_post(f);
+      post(f);
       return consumed();
     }
     pump(s);
@@ -2409,7 +2595,7 @@ class engine {
     f.hdr.length = len;
     f.payload = payload;
     mark_nic(f, device, device >= 0);
-    link_post(f);
+    post(f);
   }
 
   // ---------------------------------------------------------------- resuming
@@ -2481,6 +2667,17 @@ class engine {
   bool kick_tx_ = false;          // tx slots came free: waiters go on (run_deferred)
   bool kick_rx_ = false;
   std::vector<op*> pumps_;        // ops to pump at the end of the event
+  // ---- the transport calls an event queued (drain) ----
+  bool draining_ = false;
+  bool shutdown_due_ = false;
+  bool abort_due_ = false;
+  bool resume_due_ = false;
+  frame* outbox_head_ = nullptr;
+  frame* outbox_tail_ = nullptr;
+  op* stops_head_ = nullptr;
+  op* stops_tail_ = nullptr;
+  op* finishes_head_ = nullptr;
+  op* finishes_tail_ = nullptr;
 };
 
 // ---------------------------------------------------------------- op
