@@ -91,6 +91,12 @@
 /// (`frame::nic_only`, `rx_plan::device`), which moves them by RDMA or
 /// fails the connection with `errc::gpudirect_unavailable`, never copies.
 ///
+/// Credits. A put or get request holds one of the target's reply slots
+/// until its answer is written. Each hello says how many the sender has;
+/// the other side keeps at most that many requests unanswered, and the rest
+/// wait on the initiator's side, so puts and gets in both directions at
+/// once never leave both readers waiting for a slot.
+///
 /// Failure. When the transport fails (peer gone, protocol error) or the
 /// endpoint closes, every pending and later operation fails with that
 /// error, in order; messages already kept remain receivable.
@@ -210,6 +216,7 @@ struct frame {
   /// transport at its end): the next one, and whether it is there.
   frame* out_next = nullptr;
   bool in_outbox = false;
+  bool own_answer = false;  ///< an answer allocated for itself, freed once sent
   // ---- the transport's (queue links, progress, its encoding of the header) ----
   frame* prev = nullptr;
   frame* next = nullptr;
@@ -484,6 +491,7 @@ class op : private gdr::detail::cancellable<op> {
   bool waiting_ = false;      // in the engine's queue for a staging slot
   bool pump_due_ = false;     // in the engine's pumps_ (deferred to the end of the event)
   bool answers_dropped_ = false;  // put/get: remember_range holds its requests out
+  bool credit_due_ = false;   // in the engine's credit_pumps_
   bool finish_due_ = false;   // in the engine's finishes_ (try_finish at the end of the event)
   bool stop_due_ = false;     // in the engine's stops_ (a stop handled at the end of the event)
   std::error_code stop_why_{};  // stop_due_: its reason
@@ -646,6 +654,7 @@ class engine {
         if (o.stage_ == op::stage::awaiting && o.f1_.queued && withdraw(o.f1_)) {
           // The request never left: no answer will come.
           o.f1_.queued = false;
+          credit_back();
           delist(o);
           o.stage_ = op::stage::idle;
         } else if (o.f1_.queued && link_committed(o.f1_)) {
@@ -720,6 +729,7 @@ class engine {
     hello_.hdr.addr = chunk_;
     hello_.hdr.tag = caps;
     hello_.hdr.id = version;
+    hello_.hdr.key = n;  // the requests the peer may have unanswered here
   }
 
   virtual ~engine() {
@@ -875,6 +885,10 @@ class engine {
     }
     if (f.slot != nullptr) {
       free_slot(f.slot);
+      return;
+    }
+    if (f.own_answer) {
+      delete &f;
       return;
     }
     if (&f == &hello_) return;
@@ -1191,6 +1205,14 @@ class engine {
         break;
       case op::kind::put:
       case op::kind::get: {
+        if (credits_ == 0) {
+          // The peer's reply slots are all spoken for: wait for an answer
+          // (the reader never stops for this; see "Credits").
+          o.stage_ = op::stage::held;
+          enlist(credit_wait_, o);
+          return true;
+        }
+        --credits_;
         bool put = o.kind_ == op::kind::put;
         o.id_ = next_id_++;
         h.type = put ? msg::put_request : msg::get_request;
@@ -1326,6 +1348,10 @@ class engine {
       std::erase(pumps_, &o);
       o.pump_due_ = false;
     }
+    if (o.credit_due_) {
+      std::erase(credit_pumps_, &o);
+      o.credit_due_ = false;
+    }
     if (o.early_ != nullptr) {
       delete o.early_;
       o.early_ = nullptr;
@@ -1426,6 +1452,7 @@ class engine {
     while (op* o = recvs_.head) complete(*o, ec);
     while (op* o = awaiting_data_.head) complete(*o, ec);
     while (op* o = rma_.head) complete(*o, ec);
+    while (op* o = credit_wait_.head) complete(*o, ec);
     // A receive in staging_ is copying a kept message into device memory:
     // its bytes are all here, so it completes as kept messages do.
     for (op* o = staging_.head; o != nullptr;) {
@@ -1582,6 +1609,7 @@ class engine {
     peer_max_ = h.size;
     peer_caps_ = h.tag;
     peer_seg_ = h.addr;
+    credits_ = h.key != 0 ? h.key : ~std::uint64_t{0};
     while (op* o = held_.head) {
       delist(*o);
       o->stage_ = op::stage::idle;
@@ -1739,11 +1767,19 @@ class engine {
   rx_plan rx_rts_cancel(const header& h) noexcept {
     for (early_msg* m = early_.head; m != nullptr; m = m->next) {
       if (!m->rts || m->sid != h.id) continue;
-      reply_slot* s = take_slot();
-      if (s == nullptr) return pause_reading();
+      // The answer goes in a frame of its own, not a reply slot: the
+      // sender's reply-slot credits count only puts and gets.
+      auto* f = new (std::nothrow) frame;
+      if (f == nullptr) {
+        fail(errno_code(ENOMEM));
+        return consumed();
+      }
       early_.erase(m);
       delete m;
-      send_answer(s, msg::rts_withdrawn, h.id, status::ok, nullptr, 0);
+      f->own_answer = true;
+      f->hdr.type = msg::rts_withdrawn;
+      f->hdr.id = h.id;
+      post(*f);
       return consumed();
     }
     // Already matched: the rtr on its way answers the sender.
@@ -1839,6 +1875,7 @@ class engine {
 
   rx_plan rx_answer(const header& h) noexcept {
     bool get = h.type == msg::get_reply;
+    credit_back();  // whatever it answers, the peer's reply slot is free again
     op* o = rma_.head;
     while (o != nullptr && !(h.id >= o->id_ && h.id - o->id_ < o->nseg_)) o = o->next_;
     if (o == nullptr) {
@@ -2042,7 +2079,8 @@ class engine {
   /// What segment bookkeeping left for the end of the event: waiters for
   /// freed slots, and pumps. True if it did anything.
   bool run_deferred() noexcept {
-    if (!kick_tx_ && !kick_rx_ && pumps_.empty()) return false;
+    if (!kick_tx_ && !kick_rx_ && pumps_.empty() && !credit_due_) return false;
+    if (std::exchange(credit_due_, false)) run_credit_waiters();
     if (std::exchange(kick_rx_, false)) kick_waiters(true);
     if (std::exchange(kick_tx_, false)) kick_waiters(false);
     while (!pumps_.empty()) {
@@ -2359,6 +2397,13 @@ class engine {
     for (stage_slot* b = o.sq_head_; b != nullptr; b = b->next) {
       if (b->posted) continue;
       if (!b->ready) break;
+      if (o.kind_ != op::kind::send) {
+        if (credits_ == 0) {
+          wait_for_credit(o);
+          break;
+        }
+        --credits_;
+      }
       frame& f = b->f;
       f.reset(&o);
       f.sslot = b;
@@ -2436,6 +2481,7 @@ class engine {
           b->f.queued = false;
           if (o.kind_ != op::kind::send && o.out_ != 0) {
             --o.out_;  // never sent: no answer
+            credit_back();
             if (o.answers_dropped_) forget_in_range(o.id_);
           }
           release_slot(*b);
@@ -2537,6 +2583,48 @@ class engine {
   }
   bool is_dropped(std::uint64_t token) const noexcept {
     return std::find(dropped_tokens_.begin(), dropped_tokens_.end(), token) != dropped_tokens_.end();
+  }
+
+  // ---------------------------------------------------------------- credits
+  //
+  // Credits. A put or get request holds one of the target's reply slots
+  // until its answer is written. The target says in its hello how many it
+  // has; the initiator keeps that many requests unanswered at most, and a
+  // request beyond them waits here (a whole put or get in credit_wait_, a
+  // segment of a staged one by its op in credit_pumps_) until an answer
+  // comes back. So requests never find the slots all taken by the peer's
+  // own traffic, and puts and gets in both directions cannot stop each
+  // other's readers.
+
+  void credit_back() noexcept {
+    ++credits_;
+    if (!credit_wait_.empty() || !credit_pumps_.empty()) credit_due_ = true;
+  }
+
+  void wait_for_credit(op& o) noexcept {
+    if (o.credit_due_) return;
+    try {
+      credit_pumps_.push_back(&o);
+      o.credit_due_ = true;
+    } catch (...) {
+      complete(o, errno_code(ENOMEM));
+    }
+  }
+
+  /// Credits came back: whoever waits for one goes on, in order.
+  void run_credit_waiters() noexcept {
+    while (credits_ != 0 && !credit_wait_.empty()) {
+      op* o = credit_wait_.head;
+      delist(*o);
+      o->stage_ = op::stage::idle;
+      if (!launch(*o)) complete(*o, o->ec_);
+    }
+    while (credits_ != 0 && !credit_pumps_.empty()) {
+      op* o = credit_pumps_.front();
+      credit_pumps_.erase(credit_pumps_.begin());
+      o->credit_due_ = false;
+      post_ready(*o);
+    }
   }
 
   // ---------------------------------------------------------------- answers
@@ -2667,6 +2755,11 @@ class engine {
   bool kick_tx_ = false;          // tx slots came free: waiters go on (run_deferred)
   bool kick_rx_ = false;
   std::vector<op*> pumps_;        // ops to pump at the end of the event
+  // ---- credits: the peer's reply slots this side may still use ----
+  std::uint64_t credits_ = 0;
+  bool credit_due_ = false;        // credits came back and someone waits (run_deferred)
+  op_list credit_wait_{};          // puts and gets waiting for a credit
+  std::vector<op*> credit_pumps_;  // staged puts and gets whose next segment waits for one
   // ---- the transport calls an event queued (drain) ----
   bool draining_ = false;
   bool shutdown_due_ = false;

@@ -12,7 +12,9 @@
 /// |-----------------|----------|-----------------------------------------------------------|
 /// | `hello`         | none     | `size` = largest message accepted, `tag` = capabilities,  |
 /// |                 |          | `id` = protocol version, `addr` = largest payload of one  |
-/// |                 |          | frame into staged memory (its chunk; 0 = no limit)        |
+/// |                 |          | frame into staged memory (its chunk; 0 = no limit), `key` |
+/// |                 |          | = its reply slots: the put and get requests the peer may  |
+/// |                 |          | have unanswered at once (0 = no limit)                    |
 /// | `eager`         | message  | `tag`                                                     |
 /// | `rts`           | none     | `size` = message bytes, `tag`, `id` = sender's send id    |
 /// | `rtr`           | none     | `id` = send id, `size` = bytes accepted, `addr` = token,  |
@@ -142,7 +144,7 @@ constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
   if (h.length > max_message) return false;
   switch (h.type) {
     case msg::hello:
-      return st_zero && h.key == 0 && (h.tag & ~caps::known) == 0 && h.id >= 2 && h.size != 0;
+      return st_zero && (h.tag & ~caps::known) == 0 && h.id >= 2 && h.size != 0;
     case msg::eager: return st_zero && h.size == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
     case msg::rts: return st_zero && h.addr == 0 && h.key == 0 && h.size <= max_message;
     case msg::rtr: return st_zero && h.tag == 0;

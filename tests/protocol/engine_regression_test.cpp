@@ -200,3 +200,36 @@ TEST_CASE_TEMPLATE("stopping one of several announced rendezvous sends leaves th
       },
       threshold(4096), threshold(4096));
 }
+
+/// Gets `n` times from `remote` into `dst`, all at once, counting successes.
+template <class E, class R>
+gdr::task<> many_gets(E& ep, std::vector<std::vector<std::byte>>& dst, R remote, int& ok) {
+  gdr::task_scope scope;
+  for (auto& d : dst) scope.spawn(counted(ep.get(bytes_of(d), remote, {20s}), ok));
+  co_await scope.join();
+}
+
+// Defect 9. Puts and gets in both directions: each end's requests took all
+// of the other end's reply slots, both readers paused for want of a slot,
+// and neither read the answers that would have freed one (100 gets of
+// 1 MiB each way on TCP: all 200 timed out). Now an initiator keeps at
+// most as many requests unanswered as the target has reply slots (its
+// hello says), and the rest wait on the initiator's side.
+TEST_CASE_TEMPLATE("a hundred gets each way at once all complete", T, CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    constexpr int n = 100;
+    constexpr std::size_t size = 256 * 1024;
+    auto mem_a = pattern(size, 1), mem_b = pattern(size, 2);
+    auto reg_a = gdr::register_memory(gdr::host_view(mem_a));
+    auto reg_b = gdr::register_memory(gdr::host_view(mem_b));
+    std::vector<std::vector<std::byte>> from_b(n, std::vector<std::byte>(size)),
+        from_a(n, std::vector<std::byte>(size));
+    int ok_a = 0, ok_b = 0;
+    co_await gdr::when_all(many_gets(a, from_b, reg_b.describe(0), ok_a), many_gets(b, from_a, reg_a.describe(0), ok_b));
+    CHECK(ok_a == n);
+    CHECK(ok_b == n);
+    for (auto& v : from_b) CHECK(v == mem_b);
+    for (auto& v : from_a) CHECK(v == mem_a);
+    co_await a.close();
+  });
+}

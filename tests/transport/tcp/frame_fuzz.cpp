@@ -43,7 +43,7 @@ bool obeys_rules(const tcp::frame_header& h, std::uint64_t limit) {
   if (!proto::has_payload(h.type) && h.length != 0) return false;
   switch (h.type) {
     case tcp::frame_type::hello:
-      return h.id >= 2 && h.size != 0 && (h.tag & ~proto::caps::known) == 0 && h.key == 0;  // addr: its chunk
+      return h.id >= 2 && h.size != 0 && (h.tag & ~proto::caps::known) == 0;  // addr: its chunk, key: its reply slots
     case tcp::frame_type::eager: return h.size == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
     case tcp::frame_type::rts: return h.size <= limit && h.addr == 0 && h.key == 0;
     case tcp::frame_type::rtr: return h.tag == 0;  // key: the largest segment it takes
