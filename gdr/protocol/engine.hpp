@@ -835,6 +835,11 @@ class engine {
         // A receive may have been posted while the bytes were placed.
         if (op* r = recv_for_eager(m->tag, m->size)) {
           take_recv(*r);
+          if (r->dev_ >= 0 && std::min<std::size_t>(m->size, r->size_) != 0) {
+            // Device memory: through bounce buffers, never a CPU copy.
+            deliver_early_staged(*r, m);
+            return;
+          }
           std::error_code ec = deliver_early(*r, *m);
           complete(*r, ec);
           delete m;
@@ -1038,6 +1043,25 @@ class engine {
       case target::store:
       case target::serve_put: return failed();
       default: return false;
+    }
+  }
+
+  /// Takes a finishing `o` off the end-of-event queues (a stop or a finish
+  /// queued for it must not reach it once it has resumed).
+  void unlink_due(op& o) noexcept {
+    if (o.stop_due_) {
+      op* prev = nullptr;
+      for (op* x = stops_head_; x != &o; x = x->stop_next_) prev = x;
+      (prev ? prev->stop_next_ : stops_head_) = o.stop_next_;
+      if (stops_tail_ == &o) stops_tail_ = prev;
+      o.stop_due_ = false;
+    }
+    if (o.finish_due_) {
+      op* prev = nullptr;
+      for (op* x = finishes_head_; x != &o; x = x->due_next_) prev = x;
+      (prev ? prev->due_next_ : finishes_head_) = o.due_next_;
+      if (finishes_tail_ == &o) finishes_tail_ = prev;
+      o.finish_due_ = false;
     }
   }
 
@@ -1403,6 +1427,7 @@ class engine {
       close_op_ = nullptr;
       link_release();
     }
+    unlink_due(o);  // it may resume (and its frame end) before the next drain
     o.finish();
   }
 
@@ -1619,13 +1644,15 @@ class engine {
     return consumed();
   }
 
-  /// A kept eager message of `len` bytes (their room allocated), or null
-  /// when memory is short (the caller pauses reading).
-  static early_msg* new_eager_msg(std::uint64_t tag, std::size_t len) noexcept {
+  /// A kept eager message of `len` bytes with room for its first `room`
+  /// (all of it by default), or null when memory is short (the caller
+  /// pauses reading).
+  static early_msg* new_eager_msg(std::uint64_t tag, std::size_t len, std::size_t room = ~std::size_t{0}) noexcept {
     auto* m = new (std::nothrow) early_msg;
     if (m == nullptr) return nullptr;
-    if (len != 0) {
-      m->bytes.reset(new (std::nothrow) std::byte[len]);
+    room = std::min(room, len);
+    if (room != 0) {
+      m->bytes.reset(new (std::nothrow) std::byte[room]);
       if (!m->bytes) {
         delete m;
         return nullptr;
@@ -1643,15 +1670,16 @@ class engine {
       if (r->dev_ >= 0 && want != 0 && len > chunk_) {
         // Into device memory, larger than a bounce buffer (the sender's
         // threshold is above our chunk): through host memory first, then
-        // chunk by chunk as a kept message is.
-        early_msg* m = new_eager_msg(h.tag, len);
+        // chunk by chunk as a kept message is. Only what the receive takes
+        // is kept: the peer's header does not choose the allocation.
+        early_msg* m = new_eager_msg(h.tag, len, want);
         if (m == nullptr) return pause_reading();
         take_recv(*r);
         r->stage_ = op::stage::placing;
         r->placing_ = true;
         target t{target::via_host, r};
         t.m = m;
-        return place(t, m->bytes.get(), len, 0);
+        return place(t, m->bytes.get(), want, len - want);
       }
       if (r->dev_ >= 0 && want != 0) {
         // Into device memory: through a bounce buffer.

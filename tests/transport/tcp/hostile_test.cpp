@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -16,9 +17,12 @@
 #include <thread>
 #include <vector>
 
+#include <gdr/coro/when_all.hpp>
 #include <gdr/sched/timer.hpp>
 #include <gdr/transport/tcp.hpp>
 
+#include "tests/protocol/staged.hpp"
+#include "tests/support/skip.hpp"
 #include "tests/transport/tcp/tcp_test_util.hpp"
 
 // ---- allocation counter --------------------------------------------------
@@ -521,4 +525,107 @@ TEST_CASE("end of stream in the middle of a header is a lost connection, not a h
     CHECK((co_await std::move(op).as_result()).error() == gdr::errc::connection_lost);
     co_await ep.close();
   }());
+}
+
+// ---- Device memory (the staged path, on the CPU copy engine) ------------
+
+namespace {
+
+std::vector<std::byte> counting_bytes(std::size_t n) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>(i * 7 + 3);
+  return v;
+}
+
+}  // namespace
+
+// Engine defect 2. A message was being read into the early-message store
+// (its header parsed, the rest read by the kernel straight into the store)
+// when a staged Device receive of its tag was posted; once placed, the
+// store handed it over with a CPU memcpy into Device memory (a SIGSEGV on
+// a discrete GPU). Now it goes through a bounce buffer and a copy.
+TEST_CASE("a message still being stored when a Device receive is posted reaches it through the staged path") {
+  if (staged::real_gpu) GDR_SKIP("the CPU copy engine's variant (this binary is not built with CUDA)");
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched;
+  staged::env env(sched);
+  constexpr std::size_t len = 100 * 1024;
+  const auto payload = counting_bytes(len);
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp::listener l(sched, tcp::address::loopback(0));
+    auto acc = l.accept();
+    int fd = tcp_test::raw_connect(l.local_address().port());
+    tcp::endpoint ep = co_await std::move(acc);
+    std::atomic<bool> go{false};
+    std::thread writer([&] {
+      tcp_test::send_hello(fd);
+      auto h = header(eager(len), 1);
+      tcp_test::raw_write(fd, h.data(), h.size());
+      tcp_test::raw_write(fd, payload.data(), 1000);
+      while (!go.load()) std::this_thread::sleep_for(1ms);
+      tcp_test::raw_write(fd, payload.data() + 1000, len - 1000);
+    });
+    // The header is parsed and the rest of the payload is being read into
+    // the store when the receive is posted.
+    co_await gdr::sleep_for(sched, 50ms);
+    CHECK(ep.stats().unexpected == 0);
+    staged::dev_mem d(len);
+    auto [r, x] = co_await gdr::when_all(
+        [&]() -> gdr::task<gdr::op_report> { co_return co_await ep.recv(d.view()).report(); }(),
+        [&]() -> gdr::task<int> {
+          go = true;
+          co_return 0;
+        }());
+    writer.join();
+    CHECK(!r.error);
+    CHECK(r.bytes == len);
+    CHECK(r.path == gdr::transfer_path::staged_pinned);  // not host_eager: no CPU copy into Device memory
+    CHECK(env.ce.copies > 0);
+    CHECK(d.read() == payload);
+    ::close(fd);
+    co_await ep.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+// Engine defect 11. An eager message larger than the receiver's bounce
+// buffer, for a Device receive, goes through host memory first; the
+// engine allocated the whole announced length for it, so a hostile peer
+// chose the allocation (1 GiB against a 16-byte receive). Now it allocates
+// only what the receive takes, and the rest is read and dropped.
+TEST_CASE("an eager message for a small Device receive allocates only what the receive takes") {
+  if (staged::real_gpu) GDR_SKIP("the CPU copy engine's variant (this binary is not built with CUDA)");
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched;
+  staged::env env(sched);
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp::endpoint_options opts;
+    opts.protocol.max_message = std::uint64_t{1} << 40;
+    opts.protocol.staging.chunk = 64 * 1024;
+    tcp::listener l(sched, tcp::address::loopback(0), gdr::default_registry(), opts);
+    auto acc = l.accept();
+    int fd = tcp_test::raw_connect(l.local_address().port());
+    tcp::endpoint ep = co_await std::move(acc);
+    staged::dev_mem d(16);
+    const auto junk = counting_bytes(1 << 20);
+    std::thread writer([&] {
+      tcp_test::send_hello(fd);
+      auto h = header(eager(std::uint64_t{1} << 30), 1);  // 1 GiB announced, 1 MiB sent
+      tcp_test::raw_write(fd, h.data(), h.size());
+      tcp_test::raw_write(fd, junk.data(), junk.size());
+    });
+    alloc_counter::arm();
+    auto r = co_await ep.recv(d.view()).report();
+    const alloc_counter::counts seen = alloc_counter::disarm();
+    writer.join();
+    MESSAGE("allocated: " << seen.calls << " calls, " << seen.bytes << " bytes, largest " << seen.largest);
+    CHECK(r.error == gdr::errc::truncated);
+    CHECK(r.message_size == (std::uint64_t{1} << 30));
+    CHECK(seen.largest < (std::size_t{1} << 20));  // nothing sized by the announced length
+    std::vector<std::byte> first(junk.begin(), junk.begin() + 16);
+    CHECK(d.read() == first);
+    ::close(fd);
+    co_await ep.close();
+  }());
+  CHECK(sched.inflight() == 0);
 }
