@@ -18,9 +18,9 @@
 /// Messages. A send of at most `rendezvous_threshold` bytes goes *eager*:
 /// the whole message in one `eager` frame. The receiver places it straight
 /// into the first posted receive of its tag, or keeps a copy if none is
-/// posted and the store has room (`unexpected_bytes`,
-/// `unexpected_messages`); otherwise it stops reading until a receive is
-/// posted, so the transport's own flow control holds the sender back. A
+/// posted (`unexpected_bytes`, `unexpected_messages`: the room granted to
+/// the sender in advance, see "Early credits" below; a sender short of
+/// bytes announces instead, short of messages it waits). A
 /// larger send goes by *rendezvous*: an `rts` announces it; the receive
 /// that matches it answers `rtr` with a token and the bytes it accepts;
 /// the sender then writes the bytes in a `data` frame that the receiver
@@ -492,6 +492,8 @@ class op : private gdr::detail::cancellable<op> {
   bool pump_due_ = false;     // in the engine's pumps_ (deferred to the end of the event)
   bool answers_dropped_ = false;  // put/get: remember_range holds its requests out
   bool credit_due_ = false;   // in the engine's credit_pumps_
+  bool debited_ = false;      // send: it spent an early-message credit (debit_ bytes with it)
+  std::size_t debit_ = 0;
   bool finish_due_ = false;   // in the engine's finishes_ (try_finish at the end of the event)
   bool stop_due_ = false;     // in the engine's stops_ (a stop handled at the end of the event)
   std::error_code stop_why_{};  // stop_due_: its reason
@@ -738,7 +740,15 @@ class engine {
 
   /// Sends the hello. The transport calls it once, when it is ready to
   /// write (before any other frame can be posted).
-  void start_protocol() noexcept { post(hello_); }
+  void start_protocol() noexcept {
+    post(hello_);
+    // The first grant of early-message room (see "Early credits").
+    credit_f_.hdr = header{};
+    credit_f_.hdr.type = msg::credit;
+    credit_f_.hdr.size = opts_.unexpected_bytes;
+    credit_f_.hdr.id = std::max<std::size_t>(opts_.unexpected_messages, 1);
+    post(credit_f_);
+  }
 
   // ---------------------------------------------------------------- transport hooks
 
@@ -793,6 +803,7 @@ class engine {
       case msg::get_request: return rx_get_request(h);
       case msg::put_ack:
       case msg::get_reply: return rx_answer(h);
+      case msg::credit: return rx_credit(h);
       case msg::close:
         // The peer sends nothing more. Kept early messages stay receivable;
         // everything else fails.
@@ -835,6 +846,7 @@ class engine {
         // A receive may have been posted while the bytes were placed.
         if (op* r = recv_for_eager(m->tag, m->size)) {
           take_recv(*r);
+          owe(m->size);
           if (r->dev_ >= 0 && std::min<std::size_t>(m->size, r->size_) != 0) {
             // Device memory: through bounce buffers, never a CPU copy.
             deliver_early_staged(*r, m);
@@ -894,6 +906,10 @@ class engine {
     }
     if (f.own_answer) {
       delete &f;
+      return;
+    }
+    if (&f == &credit_f_) {
+      if (!ec) maybe_grant();  // what was owed meanwhile
       return;
     }
     if (&f == &hello_) return;
@@ -1129,6 +1145,7 @@ class engine {
         return false;
       }
       early_.erase(m);
+      owe(m->rts ? 0 : m->size);
       if (!m->rts && o.dev_ >= 0 && std::min<std::size_t>(m->size, o.size_) != 0) {
         // Kept eager bytes for device memory: through a bounce buffer.
         early_bytes_ -= m->size;
@@ -1178,7 +1195,7 @@ class engine {
       o.ec_ = errc::message_too_large;  // the answer would exceed our own limit
       return false;
     }
-    if (!got_hello_) {
+    if (!got_credit_) {  // the peer's handshake: its hello and first credit
       o.stage_ = op::stage::held;
       enlist(held_, o);
       return true;
@@ -1198,8 +1215,21 @@ class engine {
     f.owner = &o;
     header& h = f.hdr;
     switch (o.kind_) {
-      case op::kind::send:
-        if (o.size_ <= eager_limit(o)) {
+      case op::kind::send: {
+        // Early credits: every message takes a slot of the peer's room for
+        // early messages, an eager one its bytes too; without the bytes it
+        // is announced instead, without a slot it waits (in order).
+        if ((!send_wait_.empty() && !waiter_turn_) || send_msgs_credit_ == 0) {
+          o.stage_ = op::stage::held;
+          enlist(send_wait_, o);
+          return true;
+        }
+        const bool eager = o.size_ <= eager_limit(o) && o.size_ <= send_bytes_credit_;
+        --send_msgs_credit_;
+        o.debit_ = eager ? o.size_ : 0;
+        o.debited_ = true;
+        send_bytes_credit_ -= o.debit_;
+        if (eager) {
           if (o.dev_ >= 0 && o.size_ != 0) return launch_staged_eager(o);
           o.proto_ = wire_protocol::eager;
           h.type = msg::eager;
@@ -1227,6 +1257,7 @@ class engine {
           }
         }
         break;
+      }
       case op::kind::put:
       case op::kind::get: {
         if (credits_ == 0) {
@@ -1290,7 +1321,7 @@ class engine {
     if (close_op_ == nullptr || close_posted_ || error_ || close_op_->result_set_) return;
     // Held sends wait for the peer's hello; the close frame itself needs
     // none (this side's own hello is already ahead of it).
-    if (!held_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
+    if (!held_.empty() || !send_wait_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
     // A staged eager send posts its frame once its copy is done: the close
     // frame must not overtake it.
     for (op* o = staging_.head; o != nullptr; o = o->next_)
@@ -1315,11 +1346,13 @@ class engine {
             b->f.queued = false;
             b->posted = false;
           }
+          refund(o);  // the peer never sees it
           complete(o, why);  // a copy still running holds the finish back
           return;
         }
         if (withdraw(o.f1_)) {
           o.f1_.queued = false;
+          refund(o);
           complete(o, why);
         }
         // else committed: it completes when written.
@@ -1328,6 +1361,7 @@ class engine {
         if (o.f1_.queued && withdraw(o.f1_)) {
           // The rts never left: withdrawn.
           o.f1_.queued = false;
+          refund(o);
           complete(o, why);  // takes it off announced_
           ++stats_->withdrawn;
           return;
@@ -1478,6 +1512,7 @@ class engine {
     while (op* o = awaiting_data_.head) complete(*o, ec);
     while (op* o = rma_.head) complete(*o, ec);
     while (op* o = credit_wait_.head) complete(*o, ec);
+    while (op* o = send_wait_.head) complete(*o, ec);
     // A receive in staging_ is copying a kept message into device memory:
     // its bytes are all here, so it completes as kept messages do.
     for (op* o = staging_.head; o != nullptr;) {
@@ -1504,7 +1539,11 @@ class engine {
     } else {
       request_abort();
     }
-    if (close_op_ != nullptr) try_finish(*close_op_);
+    if (close_op_ != nullptr) {
+      // Nothing more can be flushed: closing a failed endpoint succeeds.
+      complete(*close_op_, {});
+      try_finish(*close_op_);
+    }
   }
 
   /// Stops the placement in progress; its resources are released now or,
@@ -1635,11 +1674,34 @@ class engine {
     peer_caps_ = h.tag;
     peer_seg_ = h.addr;
     credits_ = h.key != 0 ? h.key : ~std::uint64_t{0};
+    if (h.key == 0) {
+      // A peer that counts no credits (a hand-written one: every gdr peer
+      // has reply slots): it sends no credit frame and bounds nothing.
+      send_bytes_credit_ = send_msgs_credit_ = ~std::uint64_t{0} / 2;
+      handshake_done();
+    }
+    return consumed();
+  }
+
+  /// The peer's handshake is complete (its hello, and its first credit
+  /// where it counts them): what waited for it goes out.
+  void handshake_done() noexcept {
+    if (std::exchange(got_credit_, true)) return;
     while (op* o = held_.head) {
       delist(*o);
       o->stage_ = op::stage::idle;
       if (!launch(*o)) complete(*o, o->ec_);  // larger than the peer accepts
     }
+    maybe_post_close();
+  }
+
+  /// Room for more early messages at the peer. The first one ends the
+  /// peer's handshake: what waited for it goes out.
+  rx_plan rx_credit(const header& h) noexcept {
+    send_bytes_credit_ += h.size;
+    send_msgs_credit_ += h.id;
+    handshake_done();
+    run_send_waiters();
     maybe_post_close();
     return consumed();
   }
@@ -1674,6 +1736,7 @@ class engine {
         // is kept: the peer's header does not choose the allocation.
         early_msg* m = new_eager_msg(h.tag, len, want);
         if (m == nullptr) return pause_reading();
+        owe(len);
         take_recv(*r);
         r->stage_ = op::stage::placing;
         r->placing_ = true;
@@ -1685,6 +1748,7 @@ class engine {
         // Into device memory: through a bounce buffer.
         stage_slot* b = take(rx_);
         if (b == nullptr) return pause_reading();
+        owe(len);
         take_recv(*r);
         if (want < len) r->ec_ = errc::truncated;
         r->msg_size_ = len;
@@ -1694,6 +1758,7 @@ class engine {
         return place_in_bounce(*r, *b, 0, want, len - want);
       }
       take_recv(*r);
+      owe(len);
       if (want < len) r->ec_ = errc::truncated;
       r->msg_size_ = len;
       r->proto_ = wire_protocol::eager;
@@ -1713,6 +1778,7 @@ class engine {
   rx_plan rx_rts(const header& h) noexcept {
     if (op* r = find_recv(h.tag)) {
       take_recv(*r);
+      owe(0);
       match_rts(*r, h.size, h.id);
       return consumed();
     }
@@ -1804,6 +1870,7 @@ class engine {
       }
       early_.erase(m);
       delete m;
+      owe(0);
       f->own_answer = true;
       f->hdr.type = msg::rts_withdrawn;
       f->hdr.id = h.id;
@@ -2214,6 +2281,7 @@ class engine {
 
   void copy_failed(op& o, std::error_code ec) noexcept {
     if (o.result_set_) return;
+    if (o.kind_ == op::kind::send && o.proto_ == wire_protocol::eager) refund(o);  // its frame never went out
     o.what_ = "a copy of the staged path failed";
     // A rendezvous send whose data is committed cannot stop half way: the
     // receiver waits for the rest. The connection cannot go on.
@@ -2613,6 +2681,62 @@ class engine {
     return std::find(dropped_tokens_.begin(), dropped_tokens_.end(), token) != dropped_tokens_.end();
   }
 
+  // ---------------------------------------------------------------- early credits
+  //
+  // Early credits. The room each side keeps for early messages (eager
+  // bytes and announcements no receive has taken yet: `unexpected_bytes`,
+  // `unexpected_messages`) is granted to the peer in advance: a `credit`
+  // frame right after the hello, then more as messages are taken. A sender
+  // spends a message slot on every message and the bytes of an eager one;
+  // short of bytes it announces the message instead (rendezvous), short of
+  // slots it waits, in order, on its own side (send_wait_). The receiver
+  // gives credit back in batches of a quarter of its room. So the store
+  // never fills while the reader keeps reading: the data of receives that
+  // already matched always gets through.
+
+  /// This side has taken one early message of `bytes` (eager) or an
+  /// announcement (0): the peer may send it again.
+  void owe(std::uint64_t bytes) noexcept {
+    owed_bytes_ += bytes;
+    ++owed_msgs_;
+    maybe_grant();
+  }
+
+  /// Sends what is owed once it is a quarter of the room (and no credit
+  /// frame is on its way already).
+  void maybe_grant() noexcept {
+    if (error_ || close_posted_ || held_by_link(credit_f_)) return;
+    const std::uint64_t qb = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
+    const std::uint64_t qm = std::max<std::uint64_t>(opts_.unexpected_messages / 4, 1);
+    if (owed_bytes_ < qb && owed_msgs_ < qm) return;
+    credit_f_.reset(nullptr);
+    credit_f_.hdr.type = msg::credit;
+    credit_f_.hdr.size = std::exchange(owed_bytes_, 0);
+    credit_f_.hdr.id = std::exchange(owed_msgs_, 0);
+    post(credit_f_);
+  }
+
+  /// `o` spent credit on a message the peer will never see: give it back.
+  void refund(op& o) noexcept {
+    if (!std::exchange(o.debited_, false)) return;
+    send_bytes_credit_ += o.debit_;
+    ++send_msgs_credit_;
+    if (!send_wait_.empty()) credit_due_ = true;
+  }
+
+  /// Sends that waited for credit go out, in order, while it lasts.
+  void run_send_waiters() noexcept {
+    while (send_msgs_credit_ != 0 && !send_wait_.empty()) {
+      op* o = send_wait_.head;
+      delist(*o);
+      o->stage_ = op::stage::idle;
+      waiter_turn_ = true;  // its turn: it does not queue behind the others
+      const bool pending = launch(*o);
+      waiter_turn_ = false;
+      if (!pending) complete(*o, o->ec_);
+    }
+  }
+
   // ---------------------------------------------------------------- credits
   //
   // Credits. A put or get request holds one of the target's reply slots
@@ -2641,6 +2765,7 @@ class engine {
 
   /// Credits came back: whoever waits for one goes on, in order.
   void run_credit_waiters() noexcept {
+    run_send_waiters();
     while (credits_ != 0 && !credit_wait_.empty()) {
       op* o = credit_wait_.head;
       delist(*o);
@@ -2783,6 +2908,15 @@ class engine {
   bool kick_tx_ = false;          // tx slots came free: waiters go on (run_deferred)
   bool kick_rx_ = false;
   std::vector<op*> pumps_;        // ops to pump at the end of the event
+  // ---- early credits ----
+  frame credit_f_{};                   // this side's credit frame (one at a time)
+  std::uint64_t owed_bytes_ = 0;       // taken early bytes not yet granted back
+  std::uint64_t owed_msgs_ = 0;
+  std::uint64_t send_bytes_credit_ = 0;  // the peer's early room this side may use
+  std::uint64_t send_msgs_credit_ = 0;
+  bool got_credit_ = false;            // the peer's first credit (its handshake is done)
+  bool waiter_turn_ = false;           // run_send_waiters is launching the head of send_wait_
+  op_list send_wait_{};                // sends waiting for a message slot
   // ---- credits: the peer's reply slots this side may still use ----
   std::uint64_t credits_ = 0;
   bool credit_due_ = false;        // credits came back and someone waits (run_deferred)

@@ -28,6 +28,8 @@
 /// | `get_request`   | none     | `size` = bytes asked, `id` = request id, `addr`, `key`    |
 /// | `get_reply`     | bytes    | `id` = request id, `status` (no payload unless ok)        |
 /// | `close`         | none     | -                                                         |
+/// | `credit`        | none     | `size` = bytes, `id` = messages this side may now take    |
+/// |                 |          | more of, eager or announced, beyond what it already took  |
 ///
 /// Every field a type does not use must be zero: a header that breaks that,
 /// or names a length over the receiver's limit, is a protocol error.
@@ -64,9 +66,10 @@ enum class msg : std::uint8_t {
   get_request = 10,   ///< one-sided read of the receiver's registered memory
   get_reply = 11,     ///< answer to `get_request`, with the bytes when ok
   close = 12,         ///< orderly end: the sender sends nothing more
+  credit = 13,        ///< room for more eager and announced messages (after hello: the first grant)
 };
 inline constexpr std::uint8_t msg_min = 1;
-inline constexpr std::uint8_t msg_max = 12;
+inline constexpr std::uint8_t msg_max = 13;
 
 /// A printable name ("eager", "rts", ...).
 constexpr const char* to_string(msg m) noexcept {
@@ -83,6 +86,7 @@ constexpr const char* to_string(msg m) noexcept {
     case msg::get_request: return "get_request";
     case msg::get_reply: return "get_reply";
     case msg::close: return "close";
+    case msg::credit: return "credit";
   }
   return "?";
 }
@@ -159,6 +163,7 @@ constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
     case msg::put_ack: return h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0;
     case msg::get_reply:
       return h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0 && (st_zero || h.length == 0);
+    case msg::credit: return st_zero && h.tag == 0 && h.addr == 0 && h.key == 0;
   }
   return false;
 }

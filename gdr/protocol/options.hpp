@@ -70,14 +70,15 @@ struct protocol_options {
   /// shared/PROTOCOL-LAYER.md lesson 5) either way fills the link.
   std::size_t rendezvous_threshold = 256 * 1024;
   /// The most bytes of early eager messages (no receive posted yet) kept per
-  /// endpoint. Beyond it the endpoint stops reading until a receive is
-  /// posted: back-pressure, never loss.
+  /// endpoint. Granted to the peer in advance: past it the peer announces
+  /// its messages instead of sending them eager (back-pressure, never loss).
   std::size_t unexpected_bytes = 1024 * 1024;
-  /// The most early messages (eager or announced) kept per endpoint; beyond
-  /// it, back-pressure as above.
+  /// The most early messages (eager or announced) kept per endpoint; past
+  /// it the peer's sends wait on its side until receives take some.
   std::size_t unexpected_messages = 4096;
   /// The peer's one-sided requests (put, get) served at once, and answers
-  /// owed to it; more wait (the endpoint stops reading meanwhile).
+  /// owed to it; the peer keeps at most this many unanswered (told in the
+  /// hello), the rest wait on its side.
   std::size_t reply_slots = 64;
   /// The longest message, put or get this side accepts; told to the peer in
   /// the handshake, so that a larger send fails alone on the sender with

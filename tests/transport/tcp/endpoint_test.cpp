@@ -420,7 +420,7 @@ TEST_CASE("a large message with no receive posted is only announced and does not
   }());
 }
 
-TEST_CASE("eager messages beyond unexpected_bytes with no receive posted stop the reader until receives come") {
+TEST_CASE("messages beyond the room the receiver granted wait in the sender, and the reader never stops") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   tcp::endpoint_options opts;
@@ -438,12 +438,13 @@ TEST_CASE("eager messages beyond unexpected_bytes with no receive posted stop th
     tcp_test::spawn([&]() -> gdr::task<> {
       for (auto& o : outs) co_await a.send(gdr::host_view(o));
     }, done);
-    for (int i = 0; i < 1000 && b.stats().paused == 0; ++i) co_await gdr::sleep_for(std::chrono::milliseconds(1));
-    co_await gdr::sleep_for(std::chrono::milliseconds(20));
-    CHECK(b.stats().paused >= 1);
-    CHECK(b.stats().unexpected <= 4);  // the store: 256 KiB of 64 KiB messages
-    CHECK(done == 0);                  // TCP flow control holds the sender
-    CHECK(a.stats().rendezvous_sends == 0);
+    co_await gdr::sleep_for(std::chrono::milliseconds(50));
+    // b granted 256 KiB of room: four messages went eager, the rest were
+    // announced (each a small record) until its message slots ran out, and
+    // the sender holds what is left. b never stopped reading.
+    CHECK(b.stats().paused == 0);
+    CHECK(b.stats().unexpected <= 4);
+    CHECK(done == 0);
     // The receives come: everything arrives, in order.
     int bad = 0;
     std::vector<std::byte> in(64 << 10);
@@ -453,7 +454,7 @@ TEST_CASE("eager messages beyond unexpected_bytes with no receive posted stop th
     }
     CHECK(bad == 0);
     while (done == 0) co_await gdr::sleep_for(std::chrono::milliseconds(1));
-    CHECK(a.stats().eager_sends == n);
+    CHECK(a.stats().eager_sends + a.stats().rendezvous_sends == n);
     co_await a.close();
     co_await b.close();
   }());

@@ -57,6 +57,7 @@ bool obeys_rules(const tcp::frame_header& h, std::uint64_t limit) {
       return h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0 &&
              (h.st == proto::status::ok || h.length == 0);
     case tcp::frame_type::close: return h.size == 0 && h.tag == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
+    case tcp::frame_type::credit: return h.tag == 0 && h.addr == 0 && h.key == 0;  // size: bytes, id: messages
   }
   return false;  // not a known type
 }

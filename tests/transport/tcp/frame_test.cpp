@@ -43,6 +43,7 @@ frame_header sample(frame_type t) {
       h.size = std::uint64_t{1} << 30;
       h.tag = proto::caps::host | proto::caps::device;
       h.id = proto::version;
+      h.key = 64;  // reply slots
       break;
     case frame_type::eager:
       h.length = 12345;
@@ -85,6 +86,10 @@ frame_header sample(frame_type t) {
       h.length = 8192;
       break;
     case frame_type::close: break;
+    case frame_type::credit:
+      h.size = 256 * 1024;
+      h.id = 1024;
+      break;
   }
   return h;
 }
@@ -93,6 +98,7 @@ constexpr std::array all_types = {
     frame_type::hello,       frame_type::eager,   frame_type::rts,         frame_type::rtr,
     frame_type::data,        frame_type::rts_cancel, frame_type::rts_withdrawn, frame_type::put_request,
     frame_type::put_ack,     frame_type::get_request, frame_type::get_reply, frame_type::close,
+    frame_type::credit,
 };
 static_assert(all_types.size() == proto::msg_max - proto::msg_min + 1);
 
@@ -285,6 +291,8 @@ TEST_CASE("each type's unused fields must be zero, as proto::valid says") {
       {frame_type::get_reply, 56, "key"},     {frame_type::close, 24, "size"},
       {frame_type::close, 32, "tag"},         {frame_type::close, 40, "id"},
       {frame_type::close, 48, "addr"},        {frame_type::close, 56, "key"},
+      {frame_type::credit, 32, "tag"},        {frame_type::credit, 48, "addr"},
+      {frame_type::credit, 56, "key"},
   };
   for (const rule& r : rules) {
     CAPTURE(proto::to_string(r.type));

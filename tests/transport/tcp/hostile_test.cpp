@@ -303,7 +303,7 @@ TEST_CASE("the allocation counter sees the armed thread's allocations and no oth
   CHECK(seen.bytes < (std::size_t{16} << 20));  // not the other thread's 16 MiB
 }
 
-TEST_CASE("a hand-written peer that says hello is served, and nothing but the hello goes out before the peer's") {
+TEST_CASE("a hand-written peer that says hello is served, and nothing but the handshake goes out before the peer's") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -318,6 +318,14 @@ TEST_CASE("a hand-written peer that says hello is served, and nothing but the he
     CHECK(hello.header.id == proto::version);
     CHECK(hello.header.size == gdr::protocol_options{}.max_message);
     CHECK((hello.header.tag & proto::caps::host) != 0);
+    CHECK(hello.header.key == gdr::protocol_options{}.reply_slots);
+    // Then the first credit: the room it keeps for early messages.
+    auto credit = co_await tcp_test::read_frame(fd);
+    REQUIRE(credit.status == frame_status::ok);
+    CHECK(credit.seq == 1);
+    CHECK(credit.header.type == frame_type::credit);
+    CHECK(credit.header.size == gdr::protocol_options{}.unexpected_bytes);
+    CHECK(credit.header.id == gdr::protocol_options{}.unexpected_messages);
     CHECK(ep.peer_max_message() == 0);  // no hello from the peer yet
     // A send waits for the peer's hello: nothing more is on the wire.
     std::array<char, 4> out{'p', 'i', 'n', 'g'};
@@ -329,7 +337,7 @@ TEST_CASE("a hand-written peer that says hello is served, and nothing but the he
     REQUIRE(tcp_test::send_hello(fd, hello_header(1 << 20)));
     auto m = co_await tcp_test::read_frame(fd);
     REQUIRE(m.status == frame_status::ok);
-    CHECK(m.seq == 1);
+    CHECK(m.seq == 2);  // after the hello and the credit
     CHECK(m.header.type == frame_type::eager);
     CHECK(m.header.length == 4);
     std::array<char, 4> got{};
@@ -356,7 +364,7 @@ TEST_CASE("a hand-written peer that says hello is served, and nothing but the he
     co_await ep.close();
     auto cl = co_await tcp_test::read_frame(fd);
     CHECK(cl.status == frame_status::ok);
-    CHECK(cl.seq == 2);
+    CHECK(cl.seq == 3);
     CHECK(cl.header.type == frame_type::close);
     char byte;
     CHECK(::recv(fd, &byte, 1, 0) <= 0);
@@ -390,7 +398,7 @@ TEST_CASE("a hand-written peer's rendezvous is received, and data of another len
       REQUIRE(s.write_to(fd));
       auto rtr = co_await tcp_test::read_frame(fd);
       REQUIRE(rtr.status == frame_status::ok);
-      CHECK(rtr.seq == 1);
+      CHECK(rtr.seq == 2);  // after the hello and the credit
       CHECK(rtr.header.type == frame_type::rtr);
       CHECK(rtr.header.id == 7);
       CHECK(rtr.header.size == 100000);  // all of it fits

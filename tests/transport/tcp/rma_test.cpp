@@ -7,6 +7,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include <gdr/sched/timer.hpp>
@@ -224,18 +228,19 @@ TEST_CASE("a get queued behind a send the peer does not read yet is withdrawn at
   gdr::memory_registry reg;
   std::vector<std::byte> mem(4096, std::byte{9});
   auto r = gdr::register_memory(reg, gdr::host_view(mem));
-  // The blocker goes eager (threshold raised): a rendezvous send would only
-  // announce it, and nothing would wait behind it.
+  // The blocker goes eager (threshold raised) to a hand-written peer that
+  // does not read yet (its hello counts no credits): more than the socket
+  // buffers hold, so the send stays in flight and the get request waits
+  // behind it. (A gdr peer would keep reading.)
   tcp::endpoint_options opts;
   opts.protocol.rendezvous_threshold = 64 << 20;
+  std::vector<std::byte> blocker(32 << 20, std::byte{1});
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched, reg, opts);
-    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
-    auto& b = ab_pair.second;
-    // More than the socket buffers hold, and no receive posted: the send
-    // stays in flight (b stops reading: it is over unexpected_bytes), and
-    // the get request waits behind it.
-    std::vector<std::byte> blocker(32 << 20, std::byte{1});
+    tcp::listener l(sched, tcp::address::loopback(0), reg, opts);
+    auto acc = l.accept();
+    int fd = tcp_test::raw_connect(l.local_address().port());
+    REQUIRE(tcp_test::send_hello(fd));
+    tcp::endpoint a = co_await std::move(acc);
     int done = 0;
     tcp_test::spawn([&]() -> gdr::task<> { co_await a.send(gdr::host_view(blocker)); }, done);
     std::vector<std::byte> dst(mem.size(), std::byte{0});
@@ -251,70 +256,101 @@ TEST_CASE("a get queued behind a send the peer does not read yet is withdrawn at
     for (int i = 0; i < 100 && done < 1; ++i) co_await gdr::sleep_for(std::chrono::milliseconds(1));
     CHECK(done == 1);  // the get, at once; the send still waits
     CHECK(got.error() == gdr::errc::cancelled);
-    std::vector<std::byte> in(blocker.size());
-    CHECK(co_await b.recv(gdr::host_view(in)) == blocker.size());
+    // The peer reads now, on a thread of its own: a's handshake and the
+    // blocker, and nothing after it (the request never went out).
+    std::vector<tcp::frame_type> types;
+    std::thread reader([&] {
+      std::vector<std::byte> head(tcp::wire::header_size), payload;
+      for (int i = 0; i < 3; ++i) {
+        if (!tcp_test::raw_read(fd, head.data(), head.size())) return;
+        auto pr = tcp::parse_frame(head, ~std::uint64_t{0});
+        if (pr.status != tcp::frame_status::ok) return;
+        payload.resize(pr.header.length);
+        if (!payload.empty() && !tcp_test::raw_read(fd, payload.data(), payload.size())) return;
+        types.push_back(pr.header.type);
+      }
+    });
     while (done < 2) co_await gdr::sleep_for(std::chrono::milliseconds(1));
-    CHECK(b.stats().served_gets == 0);  // never sent
-    std::array<std::byte, 16> small{};
-    CHECK(co_await a.get(gdr::host_view(small), r.describe().subview(0, 16)) == 16);
-    CHECK(small[0] == std::byte{9});
+    reader.join();
+    CHECK(types == std::vector<tcp::frame_type>{tcp::frame_type::hello, tcp::frame_type::credit,
+                                                tcp::frame_type::eager});
+    co_await gdr::sleep_for(std::chrono::milliseconds(20));
+    char byte;
+    CHECK(::recv(fd, &byte, 1, MSG_DONTWAIT) < 0);  // nothing more: no get request
+    CHECK(std::all_of(dst.begin(), dst.end(), [](std::byte v) { return v == std::byte{0}; }));
+    ::close(fd);
     co_await a.close();
-    co_await b.close();
   }());
 }
 
 TEST_CASE("a get cancelled while waiting for its reply completes at once and its late reply is dropped") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched;
-  gdr::memory_registry reg;
-  std::vector<std::byte> mem(4 << 20, std::byte{9});
-  auto r = gdr::register_memory(reg, gdr::host_view(mem));
-  // Hold b's reader: an eager message larger than b keeps for early
-  // messages (unexpected_bytes) stops it while no receive is posted, so the
-  // get request behind it is sent but not served yet. (Before the protocol
-  // layer any large message did this; a rendezvous message no longer stops
-  // the reader, hence the raised threshold.)
-  tcp::endpoint_options opts;
-  opts.protocol.rendezvous_threshold = 1 << 20;
-  opts.protocol.unexpected_bytes = 64 << 10;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
-    auto ab_pair = co_await connected_pair(sched, reg, opts);
-    auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
-    auto& b = ab_pair.second;
-    std::vector<std::byte> blocker(256 << 10, std::byte{1});
-    co_await a.send(gdr::host_view(blocker));  // eager, fits in the socket buffers
+    // The target is a hand-written peer, so that the request can be held
+    // unanswered for as long as the test likes (a gdr target's reader
+    // never stops: its credits hold initiators back instead).
+    tcp::listener l(sched, tcp::address::loopback(0));
+    auto acc = l.accept();
+    int fd = tcp_test::raw_connect(l.local_address().port());
+    REQUIRE(tcp_test::send_hello(fd));
+    tcp::endpoint a = co_await std::move(acc);
+    REQUIRE(co_await tcp_test::read_hello(fd));
+    std::vector<std::byte> peer_mem(4 << 20);
+    // A view the peer "exposes": any address and key; the peer checks nothing.
+    gdr::memory_registry peer_reg;
+    auto peer_r = gdr::register_memory(peer_reg, gdr::host_view(peer_mem));
+    auto remote = peer_r.describe();
     int done = 0;
-    std::vector<std::byte> dst(mem.size(), std::byte{0});
+    std::vector<std::byte> dst(1 << 20, std::byte{0});
     std::stop_source stop;
     gdr::result<std::size_t> got = gdr::errc::busy;  // not yet set
     tcp_test::spawn([&]() -> gdr::task<> {
-      auto op = a.get(gdr::host_view(dst), r.describe(), {stop.get_token()});
+      auto op = a.get(gdr::host_view(dst), remote.subview(0, dst.size()), {stop.get_token()});
       got = co_await std::move(op).as_result();
     }, done);
-    co_await gdr::sleep_for(std::chrono::milliseconds(20));
+    auto req = co_await tcp_test::read_frame(fd);
+    REQUIRE(req.status == tcp::frame_status::ok);
+    REQUIRE(req.header.type == tcp::frame_type::get_request);
     CHECK(done == 0);
-    CHECK(a.stats().frames_out == 3);  // hello, blocker, and the request is out
-    CHECK(b.stats().paused >= 1);
-    CHECK(b.stats().served_gets == 0);
     stop.request_stop();
     for (int i = 0; i < 100 && done < 1; ++i) co_await gdr::sleep_for(std::chrono::milliseconds(1));
     CHECK(done == 1);
     CHECK(got.error() == gdr::errc::cancelled);
-    // Now let b read: the blocker arrives, then the get is served and its
-    // reply reaches a, which drops it: dst is never written.
-    std::vector<std::byte> in(blocker.size());
-    CHECK(co_await b.recv(gdr::host_view(in)) == blocker.size());
-    std::array<int, 1> ping{1};
-    co_await b.send(gdr::host_view(ping));  // behind the reply on the same stream
-    CHECK(co_await a.recv(gdr::host_view(ping)) == 4);
+    // The late reply comes, then a message behind it on the same stream:
+    // the reply is dropped (dst is never written), the message arrives.
+    tcp_test::frame_stream out;
+    out.seq = 1;
+    tcp::frame_header reply;
+    reply.type = tcp::frame_type::get_reply;
+    reply.id = req.header.id;
+    reply.length = dst.size();
+    std::vector<std::byte> late(dst.size(), std::byte{9});
+    out.add(reply, late);
+    tcp::frame_header ping;
+    ping.type = tcp::frame_type::eager;
+    ping.length = 4;
+    out.add(ping, "ping");
+    REQUIRE(out.write_to(fd));
+    std::array<char, 4> in{};
+    CHECK(co_await a.recv(gdr::host_view(in)) == 4);
+    CHECK(std::string(in.data(), 4) == "ping");
     CHECK(std::all_of(dst.begin(), dst.end(), [](std::byte v) { return v == std::byte{0}; }));
-    CHECK(b.stats().served_gets == 1);
-    // The endpoint is still in step: a new get works.
+    // The endpoint is still in step: a new get is answered.
     std::array<std::byte, 16> small{};
-    CHECK(co_await a.get(gdr::host_view(small), r.describe().subview(0, 16)) == 16);
+    tcp_test::spawn([&]() -> gdr::task<> {
+      CHECK(co_await a.get(gdr::host_view(small), remote.subview(0, 16)) == 16);
+    }, done);
+    auto req2 = co_await tcp_test::read_frame(fd);
+    REQUIRE(req2.header.type == tcp::frame_type::get_request);
+    reply.id = req2.header.id;
+    reply.length = 16;
+    out.add(reply, std::span<const std::byte>(late.data(), 16));
+    REQUIRE(out.write_to(fd));
+    while (done < 2) co_await gdr::sleep_for(std::chrono::milliseconds(1));
     CHECK(small[0] == std::byte{9});
+    ::close(fd);
     co_await a.close();
-    co_await b.close();
   }());
 }
 

@@ -241,10 +241,16 @@ inline gdr::task<gdr::tcp::frame_parse_result> read_frame(int fd, std::uint64_t 
 }
 
 // Reads the endpoint's hello (its frame 0); true if it is one, of version 2.
+// Reads an endpoint's handshake: its hello, then its first credit (the room
+// it grants for early messages). A hand-made peer's own hello (key 0)
+// counts no credits, so it need not send one.
 inline gdr::task<bool> read_hello(int fd) {
   gdr::tcp::frame_parse_result r = co_await read_frame(fd);
-  co_return r.status == gdr::tcp::frame_status::ok && r.seq == 0 && r.header.type == gdr::tcp::frame_type::hello &&
-      r.header.id == gdr::detail::proto::version;
+  if (!(r.status == gdr::tcp::frame_status::ok && r.seq == 0 && r.header.type == gdr::tcp::frame_type::hello &&
+        r.header.id == gdr::detail::proto::version && r.header.key != 0))
+    co_return false;
+  r = co_await read_frame(fd);
+  co_return r.status == gdr::tcp::frame_status::ok && r.seq == 1 && r.header.type == gdr::tcp::frame_type::credit;
 }
 
 }  // namespace tcp_test
