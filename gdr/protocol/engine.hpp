@@ -495,8 +495,7 @@ class op : private gdr::detail::cancellable<op> {
   bool debited_ = false;      // send: it spent an early-message credit (debit_ bytes with it)
   std::size_t debit_ = 0;
   bool finish_due_ = false;   // in the engine's finishes_ (try_finish at the end of the event)
-  bool stop_due_ = false;     // in the engine's stops_ (a stop handled at the end of the event)
-  std::error_code stop_why_{};  // stop_due_: its reason
+  bool stop_due_ = false;     // in the engine's stops_ (a stop handled at the end of the event; its reason in stop_reason_)
   stage_slot* sq_head_ = nullptr;  // tx slots it holds, by offset
   stage_slot* sq_tail_ = nullptr;
   early_msg* early_ = nullptr;     // recv: a kept message to deliver once an rx slot is free
@@ -604,7 +603,7 @@ class engine {
       return;
     }
     o.stop_due_ = true;
-    o.stop_why_ = why;
+    o.stop_reason_ = why;  // kept until drain() hands it to do_cancel
     o.stop_next_ = nullptr;
     (stops_tail_ ? stops_tail_->stop_next_ : stops_head_) = &o;
     stops_tail_ = &o;
@@ -1101,7 +1100,7 @@ class engine {
       stops_head_ = o->stop_next_;
       if (stops_head_ == nullptr) stops_tail_ = nullptr;
       o->stop_due_ = false;
-      do_cancel(*o, o->stop_why_);
+      do_cancel(*o, o->stop_reason_);
     }
     while (op* o = finishes_head_) {
       finishes_head_ = o->due_next_;
@@ -1130,7 +1129,9 @@ class engine {
   // ---------------------------------------------------------------- starting
 
   bool begin_recv(op& o) noexcept {
-    if (closing_ && !error_) {
+    if (closing_) {
+      // Receiving ends when close() starts (GUIDE section 8): kept
+      // messages are not handed out any more.
       o.ec_ = errc::closed;
       return false;
     }
@@ -1520,10 +1521,12 @@ class engine {
       if (o->kind_ != op::kind::recv) complete(*o, ec);
       o = next;
     }
-    // Announcements kept can no longer be answered.
+    // Announcements kept can no longer be answered; after this side's
+    // close nothing kept is received any more.
     for (early_msg* m = early_.head; m != nullptr;) {
       early_msg* next = m->next;
-      if (m->rts) {
+      if (m->rts || closing_) {
+        if (!m->rts) early_bytes_ -= m->size;
         early_.erase(m);
         delete m;
       }
@@ -1766,6 +1769,7 @@ class engine {
       r->placing_ = true;
       return place({target::op_payload, r}, r->data_, want, len - want);
     }
+    if (closing_) return drop(len);  // no receive will take it: dropped
     if (early_bytes_ + len > opts_.unexpected_bytes || early_.size >= opts_.unexpected_messages)
       return pause_reading();
     early_msg* m = new_eager_msg(h.tag, len);
@@ -1782,6 +1786,7 @@ class engine {
       match_rts(*r, h.size, h.id);
       return consumed();
     }
+    if (closing_) return consumed();  // no receive will take it: the sender learns from the close frame
     if (early_.size >= opts_.unexpected_messages) return pause_reading();
     auto* m = new (std::nothrow) early_msg;
     if (m == nullptr) return pause_reading();
