@@ -99,10 +99,12 @@ for ((r = 0; r < ${#rules[@]}; r += 3)); do
   echo "checked $matched header(s) matching $from against $forbidden"
 done
 
-# Rule 3: the folder stack. folder_of HEADER: its folder below gdr/ ("." for
-# gdr/*.hpp, "transport/tcp" for a transport folder's header).
+# Rule 3: the folder stack. Helpers set globals instead of printing, so
+# that the loop over every include runs no subshell.
 declare -A rank=([.]=0 [sched]=1 [coro]=2 [cuda]=3 [verbs]=3 [memory]=4 [transfer]=5 [protocol]=6
   [transport]=7 [bootstrap]=8)
+# folder_of HEADER: sets `folder` to its folder below gdr/ ("." for
+# gdr/*.hpp, "transport/tcp" for a transport folder's header).
 folder_of() {
   local p=${1#gdr/}
   case $p in
@@ -110,19 +112,20 @@ folder_of() {
     */*) p=${p%%/*} ;;
     *) p=. ;;
   esac
-  echo "$p"
+  folder=$p
 }
-rank_of() {  # the rank of a folder (transport/X: transport's)
+# rank_of FOLDER: sets `frank` to its rank (transport/X: transport's), or "".
+rank_of() {
   local f=${1%%/*}
   [[ $1 == . ]] && f=.
-  [[ -v rank[$f] ]] && echo "${rank[$f]}"
+  frank=${rank[$f]-}
 }
 sub_edges=()
 folders_checked=0
 for h in "${headers[@]}"; do
   [[ $h == gdr/gdr.hpp ]] && continue  # the umbrella includes everything
-  from=$(folder_of "$h")
-  rf=$(rank_of "$from")
+  folder_of "$h"; from=$folder
+  rank_of "$from"; rf=$frank
   if [[ -z $rf ]]; then
     echo "layering violation: folder '$from' has no place in the stack (rule 3 in $0)"
     violations=$((violations + 1))
@@ -131,9 +134,8 @@ for h in "${headers[@]}"; do
   folders_checked=$((folders_checked + 1))
   while IFS= read -r inc; do
     [[ $inc == gdr/* ]] || continue
-    to=$(folder_of "$inc")
+    folder_of "$inc"; to=$folder
     [[ $to == "$from" ]] && continue
-    rt=$(rank_of "$to")
     if [[ $from == transport* && $to == transport* ]]; then
       # Inside transport/: its folders may include each other (no cycle,
       # checked below); a folder's header never includes transport/'s own
@@ -146,6 +148,7 @@ for h in "${headers[@]}"; do
       fi
       continue
     fi
+    rank_of "$to"; rt=$frank
     if [[ -z $rt ]] || ((rt >= rf)); then
       echo "layering violation: $h includes $inc ($from may include only folders below it)"
       violations=$((violations + 1))
