@@ -2433,18 +2433,6 @@ class engine {
     o.path_ = transfer_path::staged_pinned;
     o.stage_ = op::stage::awaiting;
     enlist(rma_, o);
-    if (o.size_ == 0) {
-      // Nothing to move: one empty request checks the key.
-      stage_slot* b = take(tx_);
-      if (b == nullptr) {
-        wait_for_slot(o, false);
-        return true;
-      }
-      attach_segment(o, *b, 0, 0);
-      b->ready = true;
-      post_ready(o);
-      return true;
-    }
     pump(o);
     return true;
   }
@@ -2466,8 +2454,23 @@ class engine {
     const bool rma = o.kind_ == op::kind::put || o.kind_ == op::kind::get;
     const bool copy_out = o.dev_ >= 0 && o.kind_ != op::kind::get;
     const std::size_t depth = tx_.count;
+    if (rma && o.total_ == 0) {
+      // Nothing to move: one empty request checks the key (once: a slot
+      // held or a request out means it is on its way).
+      if (o.sq_head_ != nullptr || o.out_ != 0) return post_ready(o);
+      stage_slot* b = take(tx_);
+      if (b == nullptr) return wait_for_slot(o, false);
+      attach_segment(o, *b, 0, 0);
+      b->ready = true;
+      return post_ready(o);
+    }
+    // A rendezvous send whose receive has not answered yet copies ahead at
+    // most one chunk, and never into the last free slot: slots go to what
+    // can move now.
+    const bool before_rtr = o.kind_ == op::kind::send && o.proto_ == wire_protocol::rendezvous && !o.go_;
     while (o.issued_ < o.total_) {
       if (rma && o.out_ + o.slots_ >= depth) break;  // enough requests unanswered
+      if (before_rtr && (o.slots_ != 0 || tx_.count - tx_.in_use < 2)) break;
       stage_slot* b = take(tx_);
       if (b == nullptr) {
         wait_for_slot(o, false);

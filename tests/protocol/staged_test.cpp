@@ -19,6 +19,7 @@
 
 #include <doctest/doctest.h>
 
+#include <gdr/coro/scope.hpp>
 #include <gdr/coro/when_all.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/sched/timer.hpp>
@@ -89,6 +90,9 @@ bool no_bounce_out(const A& a, const B& b) {
   do {                                                                                                \
     if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (its GPU twin is timed)"); \
   } while (0)
+
+/// Awaits `op` and stores its report in `out`.
+gdr::task<> store_report(gdr::op_awaitable op, op_report& out) { out = co_await std::move(op).report(); }
 
 }  // namespace
 
@@ -538,4 +542,69 @@ TEST_CASE_TEMPLATE("a close right after a staged send waits for its copy, and th
     op_report after = co_await report_of(b.recv(d.view()));
     CHECK(after.error == errc::peer_closed);
   });
+}
+
+// Engine defect (zero-length staged requests): a put of zero bytes to
+// Device memory that had to wait for a tx bounce slot was never sent once
+// one came free (pump had no segment to hand it): it hung.
+TEST_CASE_TEMPLATE("an empty put to Device memory that waits for a bounce slot goes out when one is free", T,
+                   CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  STAGED_REQUIRE_KNOBS();
+  run_both<T>(
+      [&](auto& a, auto& b, staged::env* env) -> gdr::task<> {
+        auto p = pattern(200000, 3);
+        staged::dev_mem s(p.size()), d(p.size()), target(16);
+        s.fill(p);
+        auto reg = gdr::register_memory(target.view());
+        env->hold();  // the send's first copy holds the one tx slot
+        auto [sr, rr, pr, x] = co_await gdr::when_all(
+            report_of(a.send(s.view())), report_of(b.recv(d.view())),
+            report_of(a.put(s.view().subview(0, 0), reg.describe(0), {5s})), [&]() -> gdr::task<int> {
+              co_await gdr::sleep_for(5ms);
+              env->release();
+              co_return 0;
+            }());
+        CHECK(!sr.error);
+        CHECK(!rr.error);
+        CHECK(!pr.error);
+        CHECK(d.read() == p);
+        CHECK(no_bounce_out(a, b));
+        co_await a.close();
+      },
+      small(64 * 1024, 1));
+}
+
+// Engine defect 5. An announced staged Device send took every tx bounce
+// slot for its first chunks before its rtr, so a Device operation that
+// could go now (here a put) waited for a receive the peer had not posted.
+// Now a send copies ahead at most one chunk before its rtr, and never the
+// last free slot.
+TEST_CASE_TEMPLATE("a Device send waiting for its receive leaves bounce slots to operations that can go now", T,
+                   CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  run_both<T>(
+      [&](auto& a, auto& b, staged::env*) -> gdr::task<> {
+        auto p = pattern(300000, 4), q = pattern(1000, 5);
+        staged::dev_mem s(p.size()), d(p.size()), src(q.size()), target(q.size());
+        s.fill(p);
+        src.fill(q);
+        auto reg = gdr::register_memory(target.view());
+        // The receive is posted only once the put is done.
+        op_report sr;
+        gdr::task_scope scope;
+        scope.spawn(store_report(a.send(s.view()), sr));
+        co_await gdr::sleep_for(5ms);  // the send is announced and copies ahead
+        op_report pr = co_await report_of(a.put(src.view(), reg.describe(0), {2s}));
+        op_report rr = co_await report_of(b.recv(d.view(), {5s}));
+        co_await scope.join();
+        CHECK(!pr.error);
+        CHECK(target.read() == q);
+        CHECK(!sr.error);
+        CHECK(!rr.error);
+        CHECK(d.read() == p);
+        CHECK(no_bounce_out(a, b));
+        co_await a.close();
+      },
+      small(64 * 1024, 2));
 }
