@@ -79,6 +79,17 @@ concept viewable = requires(V& v) {
   typename std::remove_cvref_t<decltype(gdr::detail::proto::as_view(v))>::space;
 };
 
+/// `remote_view`s have overloads of their own (they are not messages).
+template <class X>
+inline constexpr bool is_remote_view_v = false;
+template <class T, class S>
+inline constexpr bool is_remote_view_v<remote_view<T, S>> = true;
+
+/// Neither a view nor a remote_view: what send and recv say instead of
+/// "required type ...::space is invalid".
+template <class V>
+concept not_viewable = !viewable<V> && !is_remote_view_v<std::remove_cvref_t<V>>;
+
 /// What an endpoint's set-up decided (`decide_paths`).
 struct path_plan {
   /// Rows the forced path excludes (`engine::refuse_host`,
@@ -228,6 +239,27 @@ class basic_endpoint {
   template <detail::proto::viewable V>
   [[nodiscard]] op_awaitable recv(V&& v, op_options opts = {}) const noexcept {
     return recv(std::forward<V>(v), tag{0}, std::move(opts));
+  }
+
+  /// Anything else (a `std::vector`, a pointer, a span) is not a view: the
+  /// endpoint moves memory whose space it knows.
+  template <detail::proto::not_viewable V, class... A>
+  op_awaitable send(V&&, A&&...) const noexcept {
+    static_assert(detail::proto::always_false<V>,
+                  "gdr endpoint: ep.send(x) takes a gdr::view or a gdr::buffer, which say which memory space the "
+                  "bytes are in; x is neither. For host memory (a std::vector, std::array or std::span) make a "
+                  "view with gdr::host_view(x); for pinned or device memory allocate a gdr::buffer<T, Space> and "
+                  "pass it (or its .view()).");
+    return {nullptr, op_awaitable::kind::send, nullptr, 0, 0, {}};
+  }
+  template <detail::proto::not_viewable V, class... A>
+  op_awaitable recv(V&&, A&&...) const noexcept {
+    static_assert(detail::proto::always_false<V>,
+                  "gdr endpoint: ep.recv(x) takes a gdr::view or a gdr::buffer, which say which memory space the "
+                  "bytes go to; x is neither. For host memory (a std::vector, std::array or std::span) make a "
+                  "view with gdr::host_view(x); for pinned or device memory allocate a gdr::buffer<T, Space> and "
+                  "pass it (or its .view()).");
+    return {nullptr, op_awaitable::kind::recv, nullptr, 0, 0, {}};
   }
 
   /// A `remote_view` names the peer's memory: it cannot be sent or
