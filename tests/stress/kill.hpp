@@ -42,7 +42,7 @@ namespace stress {
     gdr::memory_registry reg;
     gdr::scheduler sched({.mode = c.mode});
     guarded_copy_engine ce(sched, mem, j, hash_of({c.seed, 0x70656572}), p.copy_delay);
-    session<gdr::tcp::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.bound);
+    session<gdr::tcp::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.limits());
     ss.on_hang = [] { ::_exit(3); };
     try {
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -93,7 +93,7 @@ inline std::vector<failure> run_kill(const run_config& c) {
     {
       gdr::scheduler sched({.mode = c.mode});
       guarded_copy_engine ce(sched, mem, j, hash_of({c.seed, 0x6365}), p.copy_delay);
-      session<gdr::tcp::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.bound);
+      session<gdr::tcp::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.limits());
       ss.on_hang = [&] {
         ::kill(pid, SIGKILL);
         print_failures(c, j.failures());

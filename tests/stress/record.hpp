@@ -5,6 +5,7 @@
 // with their ticks.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -92,6 +93,13 @@ struct side_events {
   /// The side ran in another process (tcp-kill): its events are not known
   /// here, so whatever they could cause is allowed.
   bool unknown = false;
+};
+
+/// How long a run may take: `bound` in all, and `stall` with something
+/// pending and nothing completing (a hang, whatever the machine's load).
+struct run_limits {
+  std::chrono::milliseconds bound{20000};
+  std::chrono::milliseconds stall{3000};
 };
 
 struct run_record {

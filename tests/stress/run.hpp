@@ -6,8 +6,9 @@
 // buffer was released (so every engine is gone), and the process has the
 // file descriptors and heap objects it had before.
 //
-// A run that goes past its bound prints its failures (the pending
-// operations) and ends the process with status 3; a run whose loop itself
+// A run that goes past its bound, or where nothing completes for a while
+// with something pending, prints its failures (the pending operations) and
+// ends the process with status 3; a run whose loop itself
 // is stuck is ended by SIGALRM (status 124). Both are meant for a forked
 // child (runner.hpp), or for `--seed S` alone.
 #pragma once
@@ -59,17 +60,22 @@ struct run_config {
   /// Operation counts (1: the default; GDR_STRESS_SCALE overrides).
   double scale = 1.0;
   bool log = false;
-  /// A run longer than this is a hang (GDR_STRESS_BOUND_MS overrides).
-  std::chrono::milliseconds bound{10000};
+  /// A run longer than this is a hang (GDR_STRESS_BOUND_MS overrides), and
+  /// so is one where nothing completes for `stall` (GDR_STRESS_STALL_MS).
+  std::chrono::milliseconds bound{20000};
+  std::chrono::milliseconds stall{3000};
+  run_limits limits() const noexcept { return {bound, stall}; }
 };
 
 /// The defaults of this build and environment.
 inline run_config default_config() {
   run_config c;
   c.scale = sanitized ? 0.4 : 1.0;
-  c.bound = std::chrono::milliseconds(sanitized ? 30000 : 10000);
+  c.bound = std::chrono::milliseconds(sanitized ? 60000 : 20000);
+  c.stall = std::chrono::milliseconds(sanitized ? 10000 : 3000);
   if (const char* s = std::getenv("GDR_STRESS_SCALE"); s && *s) c.scale = std::atof(s);
   if (const char* s = std::getenv("GDR_STRESS_BOUND_MS"); s && *s) c.bound = std::chrono::milliseconds(std::atol(s));
+  if (const char* s = std::getenv("GDR_STRESS_STALL_MS"); s && *s) c.stall = std::chrono::milliseconds(std::atol(s));
   return c;
 }
 
@@ -161,7 +167,7 @@ std::vector<failure> run_in_process(const run_config& c, const plan& p) {
     {
       gdr::scheduler sched({.mode = c.mode});
       guarded_copy_engine ce(sched, mem, j, hash_of({c.seed, 0x6365}), p.copy_delay);
-      session<typename Fixture::endpoint> ss(p, j, rr, mem, reg, 3, c.bound);
+      session<typename Fixture::endpoint> ss(p, j, rr, mem, reg, 3, c.limits());
       ss.on_hang = [&] {
         print_failures(c, j.failures());
         ::_exit(3);

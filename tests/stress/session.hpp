@@ -115,8 +115,8 @@ class session {
   };
 
   session(const plan& p, journal& j, run_record& rr, arena& mem, gdr::memory_registry& reg, unsigned local_mask,
-          std::chrono::milliseconds bound)
-      : p_(p), j_(j), rr_(rr), mem_(mem), reg_(reg), bound_(bound) {
+          run_limits limits)
+      : p_(p), j_(j), rr_(rr), mem_(mem), reg_(reg), limits_(limits) {
     for (int i = 0; i < 2; ++i) s_[i].local = (local_mask >> i) & 1;
     for (const stream_plan& sp : p.streams) {
       stream_state st;
@@ -457,7 +457,7 @@ class session {
     // timeout only ends a stream whose fin a stopped receive took (rare):
     // the checks then decide whether that was allowed.
     stop_plan final_stop;
-    final_stop.timeout = std::chrono::duration_cast<std::chrono::microseconds>(bound_ * 6 / 10);
+    final_stop.timeout = std::chrono::duration_cast<std::chrono::microseconds>(limits_.stall * 2 / 3);
     for (std::uint32_t k = 0; !over(); ++k) {
       start_recv(st, st.fin_size, k % 3 == 1 ? space::device : space::host, final_stop, recv_phase::final);
       op_record& last = *st.recvs.back();
@@ -610,12 +610,25 @@ class session {
                                         reg_.draining()));
   }
 
-  /// Ends a run that went past its bound, listing what is pending.
+  /// Ends a run that went past its bound, or in which something is pending
+  /// and nothing completed for `limits_.stall`, listing what is pending.
   gdr::task<> watchdog() {
-    const std::int64_t limit = std::chrono::duration_cast<std::chrono::microseconds>(bound_).count();
+    const std::int64_t limit = std::chrono::duration_cast<std::chrono::microseconds>(limits_.bound).count();
+    const std::int64_t stall = std::chrono::duration_cast<std::chrono::microseconds>(limits_.stall).count();
+    std::uint64_t seen = progress_;
+    std::int64_t since = j_.micros();
     while (!run_over_) {
       if (!(co_await gdr::sleep_for(std::chrono::milliseconds(20)).as_result())) co_return;
-      if (j_.micros() < limit || run_over_) continue;
+      if (run_over_) co_return;
+      const std::int64_t now = j_.micros();
+      if (progress_ != seen) {
+        seen = progress_;
+        since = now;
+      }
+      bool any = false;
+      for (const op_record& o : rr_.ops) any = any || (o.started && !o.done);
+      const bool stalled = any && now - since > stall;
+      if (now < limit && !stalled) continue;
       std::string pending;
       int n = 0;
       for (const op_record& o : rr_.ops)
@@ -645,8 +658,10 @@ class session {
       // for nothing that will come.)
       const char* kind = only_closes ? "hang-close" : n == 0 ? (traffic_over_ ? "hang-end" : "test-stuck") : "hang";
       if (const char* k = hang_kind()) kind = k;
-      j_.fail(kind, strf("the run went past its bound of %lld ms (%d operations pending, traffic %s)%s",
-                           static_cast<long long>(limit / 1000), n, traffic_over_ ? "over" : "running", pending.c_str()));
+      j_.fail(kind, strf("%s (%d operations pending, traffic %s)%s",
+                         stalled ? strf("nothing completed for %lld ms", static_cast<long long>((now - since) / 1000)).c_str()
+                                 : strf("the run went past its bound of %lld ms", static_cast<long long>(limit / 1000)).c_str(),
+                         n, traffic_over_ ? "over" : "running", pending.c_str()));
       on_hang();
     }
   }
@@ -663,7 +678,7 @@ class session {
   run_record& rr_;
   arena& mem_;
   gdr::memory_registry& reg_;
-  std::chrono::milliseconds bound_;
+  run_limits limits_;
   side_state s_[2];
   std::vector<stream_state> streams_;
   waitq q_;
