@@ -9,7 +9,9 @@
 // peer's outcomes are unknown here, so every peer event is allowed.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +33,17 @@ namespace stress {
 /// The peer process: runs its side until the end, then waits to be killed.
 [[noreturn]] inline void run_peer(const run_config& c, const plan& p, int read_fd) {
   const int me = 1 - p.survivor;
+  // Dies with the survivor (a crash there must not leave this one holding
+  // the runner's pipe), and says nothing unless the run logs.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  ::signal(SIGALRM, SIG_DFL);
+  ::signal(SIGSEGV, SIG_DFL);
+  if (!c.log) {
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 1);
+    ::dup2(null, 2);
+    ::close(null);
+  }
   std::uint16_t port = 0;
   if (::read(read_fd, &port, sizeof port) != sizeof port) ::_exit(2);
   ::close(read_fd);
@@ -87,6 +100,7 @@ inline std::vector<failure> run_kill(const run_config& c) {
   bool killed = false;
   {
     arena mem;
+    fault_reporter faults(mem);
     run_record rr;
     rr.ev[peer].unknown = true;
     gdr::memory_registry reg;

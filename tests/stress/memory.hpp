@@ -18,12 +18,14 @@
 // Everything runs on the scheduler's one thread.
 #pragma once
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -169,6 +171,54 @@ class arena {
  private:
   std::map<std::uintptr_t, std::unique_ptr<block>> by_addr_;
   std::uint64_t next_id_ = 0;
+};
+
+/// While a run's blocks exist: a SIGSEGV says whether the faulting address
+/// is in a Device block (the CPU touched memory it must not), then the
+/// fault is taken again by the handler that was there before (the
+/// default's crash, or a sanitizer's report).
+class fault_reporter {
+ public:
+  explicit fault_reporter(const arena& a) {
+    current() = &a;
+    struct sigaction sa {};
+    sa.sa_sigaction = &on_fault;
+    sa.sa_flags = SA_SIGINFO;
+    ::sigaction(SIGSEGV, &sa, &old());
+  }
+  fault_reporter(const fault_reporter&) = delete;
+  fault_reporter& operator=(const fault_reporter&) = delete;
+  ~fault_reporter() {
+    ::sigaction(SIGSEGV, &old(), nullptr);
+    current() = nullptr;
+  }
+
+ private:
+  static const arena*& current() noexcept {
+    static const arena* a = nullptr;
+    return a;
+  }
+  static struct sigaction& old() noexcept {
+    static struct sigaction sa {};
+    return sa;
+  }
+  static void on_fault(int, siginfo_t* si, void*) {
+    const auto* addr = static_cast<const std::byte*>(si->si_addr);
+    const block* b = current() ? current()->find(addr) : nullptr;
+    char msg[512];
+    int n;
+    if (b != nullptr && b->where() == space::device)
+      n = std::snprintf(msg, sizeof msg, "FAIL stress: device-touched: the CPU touched Device memory at byte %ld of %s\n",
+                        static_cast<long>(addr - b->data()), b->name().c_str());
+    else
+      n = std::snprintf(msg, sizeof msg, "FAIL stress: crash: SIGSEGV at %p, outside every Device block\n",
+                        si->si_addr);
+    if (n > 0) {
+      const ssize_t w = ::write(1, msg, static_cast<std::size_t>(std::min(n, 511)));
+      (void)w;
+    }
+    ::sigaction(SIGSEGV, &old(), nullptr);  // returning re-executes the access under it
+  }
 };
 
 /// Pinned blocks handed out and not yet released, process-wide: an

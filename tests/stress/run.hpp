@@ -162,6 +162,7 @@ std::vector<failure> run_in_process(const run_config& c, const plan& p) {
   const long objects_before = live_allocations();
   {
     arena mem;
+    fault_reporter faults(mem);
     run_record rr;
     gdr::memory_registry reg;
     {

@@ -116,8 +116,9 @@ inline run_outcome finish_child(child& ch) {
   if (ch.timed_out) {
     r.first = "hang: the child ran past its time limit and was killed" + (r.first.empty() ? "" : " (" + r.first + ")");
   } else if (WIFSIGNALED(status)) {
-    r.first = strf("crash: signal %d (%s)", WTERMSIG(status), ::strsignal(WTERMSIG(status))) +
-              (r.first.empty() ? "" : " after " + r.first);
+    // (The fault reporter of memory.hpp may have said what the crash was.)
+    const std::string sig = strf("signal %d (%s)", WTERMSIG(status), ::strsignal(WTERMSIG(status)));
+    r.first = r.first.empty() ? "crash: " + sig : r.first + " [" + sig + "]";
   } else if (!r.ok && r.first.empty()) {
     // A sanitizer's report, or an assertion: the first line that says so.
     std::string why = strf("exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);

@@ -439,11 +439,10 @@ class session {
   gdr::task<> receiver(stream_state& st) {
     const stream_plan& sp = *st.p;
     side_state& me = s_[1 - sp.from];
-    std::size_t seen = 0;
+    std::size_t noted = 0;  // receives before it are done and noted (they end out of order)
     auto over = [&] {
-      for (; seen < st.recvs.size() && st.recvs[seen]->done; ++seen) note_recv(st, *st.recvs[seen]);
-      // (receives end out of order: note the rest too)
-      for (std::size_t k = seen; k < st.recvs.size(); ++k)
+      for (; noted < st.recvs.size() && st.recvs[noted]->done; ++noted) note_recv(st, *st.recvs[noted]);
+      for (std::size_t k = noted; k < st.recvs.size(); ++k)
         if (st.recvs[k]->done) note_recv(st, *st.recvs[k]);
       return st.fin_seen || st.broken || me.dropped;
     };
@@ -657,6 +656,18 @@ class session {
       // (Nothing pending while the traffic runs: a worker of the test waits
       // for nothing that will come.)
       const char* kind = only_closes ? "hang-close" : n == 0 ? (traffic_over_ ? "hang-end" : "test-stuck") : "hang";
+      // Signatures of known stalls, so that a catalogue can group them.
+      bool zero_rma = n > 0, slots_full = false;
+      for (const op_record& o : rr_.ops)
+        if (o.started && !o.done &&
+            !((o.kind == op_kind::put || o.kind == op_kind::get) && o.size == 0 &&
+              (o.mem == space::device || o.remote == space::device)))
+          zero_rma = false;
+      for (int i = 0; i < 2; ++i)
+        if (s_[i].local && !s_[i].dropped && s_[i].ep.bounce_buffers_in_use().first >= p_.side[i].opts.staging.depth)
+          slots_full = true;
+      if (std::string(kind) == "hang" && zero_rma) kind = "hang-zero-rma";
+      else if (std::string(kind) == "hang" && slots_full) kind = "hang-tx-slots";
       if (const char* k = hang_kind()) kind = k;
       j_.fail(kind, strf("%s (%d operations pending, traffic %s)%s",
                          stalled ? strf("nothing completed for %lld ms", static_cast<long long>((now - since) / 1000)).c_str()
