@@ -107,6 +107,7 @@ class session {
     std::vector<op_record*> recvs;  // in start order
     unsigned send_out = 0, recv_out = 0;
     bool sender_done = false, fin_seen = false, broken = false, receiver_done = false;
+    bool fin_lost = false;  // the fin may have been taken by a stopped receive (see fin_taken_by_stop)
     std::size_t fin_size = 0;
     std::vector<std::byte> fin_bytes;
     std::stop_source stop;
@@ -444,7 +445,8 @@ class session {
       for (; noted < st.recvs.size() && st.recvs[noted]->done; ++noted) note_recv(st, *st.recvs[noted]);
       for (std::size_t k = noted; k < st.recvs.size(); ++k)
         if (st.recvs[k]->done) note_recv(st, *st.recvs[k]);
-      return st.fin_seen || st.broken || me.dropped;
+      if (!st.fin_seen && !st.fin_lost) st.fin_lost = fin_taken_by_stop(st);
+      return st.fin_seen || st.fin_lost || st.broken || me.dropped;
     };
     for (const recv_plan& rp : sp.recvs) {
       while (st.recv_out >= sp.recv_window && !over()) co_await q_.wait();
@@ -452,22 +454,14 @@ class session {
       start_recv(st, rp.view, rp.mem, rp.stop, recv_phase::main);
     }
     while (st.recv_out > 0 && !over()) co_await q_.wait();
-    // The final phase: one unstoppable receive at a time until the fin. Its
-    // timeout only ends a stream whose fin a stopped receive took (rare):
-    // the checks then decide whether that was allowed.
-    stop_plan final_stop;
-    final_stop.timeout = std::chrono::duration_cast<std::chrono::microseconds>(limits_.stall * 2 / 3);
+    // The final phase: one unstoppable receive at a time until the fin.
     for (std::uint32_t k = 0; !over(); ++k) {
-      start_recv(st, st.fin_size, k % 3 == 1 ? space::device : space::host, final_stop, recv_phase::final);
+      start_recv(st, st.fin_size, k % 3 == 1 ? space::device : space::host, stop_plan{}, recv_phase::final);
       op_record& last = *st.recvs.back();
       while (!last.done && !over()) co_await q_.wait();
-      if (last.done && is(last.rep.error, gdr::errc::timed_out)) {
-        st.ended = "no fin came";
-        break;
-      }
     }
-    if (st.fin_seen) {
-      st.ended = "fin";
+    if (st.fin_seen || st.fin_lost) {
+      st.ended = st.fin_seen ? "fin" : "the fin may have been taken by a stopped receive";
       for (op_record* r : st.recvs)
         if (!r->done) {
           r->stream_stop = true;
@@ -493,6 +487,25 @@ class session {
     st.end_tick = j_.tick();
     j_.log("stream %u->%u tag %u: receiver done (%s)", sp.from, 1 - sp.from, sp.tag, st.ended.c_str());
     q_.notify_all();
+  }
+
+  /// Whether the fin of `st` may be gone for good: it was sent, a receive
+  /// of the stream stopped after it started (a stopped receive may take a
+  /// message), and no receive of the stream ended for a while since. Only
+  /// then may the receiver stop waiting for it; the checks decide whether
+  /// the fin was really taken by a stopped receive.
+  bool fin_taken_by_stop(const stream_state& st) const {
+    if (!s_[st.p->from].local || !st.sender_done || st.sends.empty()) return false;
+    const op_record& fin = *st.sends.back();
+    if (!fin.started || !fin.done || fin.rep.error) return false;
+    std::int64_t last = fin.end_us;
+    bool candidate = false;
+    for (const op_record* r : st.recvs) {
+      if (!r->done) continue;
+      last = std::max(last, r->end_us);
+      candidate = candidate || (is_stop(r->rep.error) && r->end_tick > fin.start_tick);
+    }
+    return candidate && j_.micros() - last > std::chrono::duration_cast<std::chrono::microseconds>(limits_.stall).count() / 3;
   }
 
   gdr::task<> rma_worker(int i) {
@@ -619,6 +632,7 @@ class session {
     while (!run_over_) {
       if (!(co_await gdr::sleep_for(std::chrono::milliseconds(20)).as_result())) co_return;
       if (run_over_) co_return;
+      q_.notify_all();  // (for waits on time: fin_taken_by_stop)
       const std::int64_t now = j_.micros();
       if (progress_ != seen) {
         seen = progress_;
