@@ -109,7 +109,8 @@ inline int open_fds() {
 inline void arm_alarm(std::chrono::milliseconds bound) {
   struct sigaction sa {};
   sa.sa_handler = [](int) {
-    static const char msg[] = "FAIL stress: hang: the loop itself stopped turning (SIGALRM)\n";
+    static const char msg[] =
+        "FAIL stress: hang: the run did not end (SIGALRM): its loop stopped turning, or the scheduler never drained\n";
     [[maybe_unused]] ssize_t n = ::write(1, msg, sizeof msg - 1);
     ::_exit(124);
   };

@@ -144,8 +144,10 @@ class session {
   std::function<bool()> end_gate = [] { return true; };
 
   /// Registers this side's windows and exchanges their descriptors with
-  /// the peer (control tag). False if that failed (recorded).
+  /// the peer (control tag). False if that failed (recorded). Starts the
+  /// watchdog: call it first, then `traffic()`.
   gdr::task<bool> setup() {
+    scope_.spawn(gdr::with_stop_token(aux_.get_token(), watchdog()));
     gdr::task_scope scope;
     bool ok = true;
     for (int i = 0; i < 2; ++i)
@@ -160,7 +162,6 @@ class session {
 
   /// Runs the traffic and the end phase (see the file comment).
   gdr::task<> traffic() {
-    scope_.spawn(gdr::with_stop_token(aux_.get_token(), watchdog()));
     unsigned workers = 0;
     for (stream_state& st : streams_) {
       if (skip_) break;
