@@ -1,0 +1,85 @@
+// The transports the stress test runs over. A fixture makes a connected
+// pair of endpoints on one scheduler with each side's options from the
+// plan; run.hpp is written against this shape only, so a transport joins
+// the test by adding a fixture here and a name to `transport_kind`.
+//
+// Built with STRESS_VERBS=1 (in the Soft-RoCE guest, as tests/verbs builds
+// the conformance suite with CONFORMANCE_VERBS=1), the verbs fixture is
+// compiled in too; it needs an RDMA device and says why it cannot run
+// (`skip_reason()`) where there is none.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include <gdr/coro/task.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/loopback.hpp>
+#include <gdr/transport/tcp.hpp>
+
+#include "tests/stress/plan.hpp"
+
+#ifndef STRESS_VERBS
+#define STRESS_VERBS 0
+#endif
+#if STRESS_VERBS
+#include "tests/verbs/verbs_fixture.hpp"
+#endif
+
+namespace stress {
+
+/// The TCP options of side `s` of plan `p`.
+inline gdr::tcp::endpoint_options tcp_options(const plan& p, int s) {
+  const side_plan& sp = p.side[s];
+  gdr::tcp::endpoint_options o;
+  o.protocol = sp.opts;
+  o.rx_buffer = sp.rx_buffer;
+  o.direct_read_threshold = sp.direct_read_threshold;
+  o.spin_reads_in_busy_poll = sp.spin_reads;
+  o.direct_writes_in_busy_poll = sp.direct_writes;
+  return o;
+}
+
+/// Loopback: both ends on one scheduler, one option set (side 0's: the plan
+/// gives both sides the same).
+struct loopback_fixture {
+  using endpoint = gdr::loopback::endpoint;
+  static constexpr transport_kind kind = transport_kind::loopback;
+  static std::string skip_reason() { return {}; }
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg, const plan& p) {
+    co_return gdr::loopback::make_pair(s, s, reg, p.side[0].opts);
+  }
+};
+
+/// TCP over 127.0.0.1: side 0 connects, side 1 is accepted.
+struct tcp_fixture {
+  using endpoint = gdr::tcp::endpoint;
+  static constexpr transport_kind kind = transport_kind::tcp;
+  static std::string skip_reason() { return {}; }
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg, const plan& p) {
+    gdr::tcp::endpoint_options oa = tcp_options(p, 0), ob = tcp_options(p, 1);
+    gdr::tcp::listener l(s, gdr::tcp::address::loopback(0), reg, ob);
+    auto acc = l.accept();
+    endpoint x = co_await gdr::tcp::connect(s, l.local_address(), {}, reg, oa);
+    endpoint y = co_await std::move(acc);
+    co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));
+  }
+};
+
+#if STRESS_VERBS
+/// Verbs over the RDMA device at GDR_VERBS_IP (tests/verbs/verbs_fixture.hpp).
+struct verbs_fixture {
+  using endpoint = gdr::verbs::endpoint;
+  static constexpr transport_kind kind = transport_kind::verbs;
+  static std::string skip_reason() { return conformance::verbs_skip_reason(); }
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg, const plan& p) {
+    gdr::verbs::endpoint_options ea, eb;
+    ea.protocol = p.side[0].opts;
+    eb.protocol = p.side[1].opts;
+    co_return co_await conformance::verbs_pair(s, reg, ea, eb);
+  }
+};
+#endif
+
+}  // namespace stress
