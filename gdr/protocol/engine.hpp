@@ -493,6 +493,7 @@ class op : private gdr::detail::cancellable<op> {
   bool answers_dropped_ = false;  // put/get: remember_range holds its requests out
   bool credit_due_ = false;   // in the engine's credit_pumps_
   bool debited_ = false;      // send: it spent an early-message credit (debit_ bytes with it)
+  bool holds_order_ = false;  // staged eager send: later sends wait until its frame is posted
   std::size_t debit_ = 0;
   bool finish_due_ = false;   // in the engine's finishes_ (try_finish at the end of the event)
   bool stop_due_ = false;     // in the engine's stops_ (a stop handled at the end of the event; its reason in stop_reason_)
@@ -1131,8 +1132,9 @@ class engine {
   bool begin_recv(op& o) noexcept {
     if (closing_) {
       // Receiving ends when close() starts (GUIDE section 8): kept
-      // messages are not handed out any more.
-      o.ec_ = errc::closed;
+      // messages are not handed out any more. An endpoint that failed
+      // first says how.
+      o.ec_ = error_ ? error_ : std::error_code(errc::closed);
       return false;
     }
     if (std::error_code ec = staging_check(o)) {
@@ -1220,7 +1222,7 @@ class engine {
         // Early credits: every message takes a slot of the peer's room for
         // early messages, an eager one its bytes too; without the bytes it
         // is announced instead, without a slot it waits (in order).
-        if ((!send_wait_.empty() && !waiter_turn_) || send_msgs_credit_ == 0) {
+        if ((!send_wait_.empty() && !waiter_turn_) || send_msgs_credit_ == 0 || order_holds_ != 0) {
           o.stage_ = op::stage::held;
           enlist(send_wait_, o);
           return true;
@@ -1411,6 +1413,7 @@ class engine {
       std::erase(credit_pumps_, &o);
       o.credit_due_ = false;
     }
+    release_order(o);
     if (o.early_ != nullptr) {
       delete o.early_;
       o.early_ = nullptr;
@@ -2412,6 +2415,10 @@ class engine {
   bool launch_staged_eager(op& o) noexcept {
     o.proto_ = wire_protocol::eager;
     o.stage_ = op::stage::queued;
+    // Its frame goes out only once its copy is done: the sends after it
+    // wait until then, so that messages keep the order they were sent in.
+    o.holds_order_ = true;
+    ++order_holds_;
     o.seg_ = o.size_;
     o.total_ = o.size_;
     enlist(staging_, o);
@@ -2518,6 +2525,7 @@ class engine {
           if (o.proto_ == wire_protocol::eager) {
             h.type = msg::eager;
             h.tag = o.tag_;
+            release_order(o);
           } else {
             h.type = msg::data;
             h.addr = o.raddr_;  // the receiver's token
@@ -2732,9 +2740,17 @@ class engine {
     if (!send_wait_.empty()) credit_due_ = true;
   }
 
+  /// A staged eager send's frame is posted (or it ended without one): the
+  /// sends behind it may go.
+  void release_order(op& o) noexcept {
+    if (!std::exchange(o.holds_order_, false)) return;
+    --order_holds_;
+    if (order_holds_ == 0 && !send_wait_.empty()) credit_due_ = true;
+  }
+
   /// Sends that waited for credit go out, in order, while it lasts.
   void run_send_waiters() noexcept {
-    while (send_msgs_credit_ != 0 && !send_wait_.empty()) {
+    while (send_msgs_credit_ != 0 && order_holds_ == 0 && !send_wait_.empty()) {
       op* o = send_wait_.head;
       delist(*o);
       o->stage_ = op::stage::idle;
@@ -2924,6 +2940,7 @@ class engine {
   std::uint64_t send_msgs_credit_ = 0;
   bool got_credit_ = false;            // the peer's first credit (its handshake is done)
   bool waiter_turn_ = false;           // run_send_waiters is launching the head of send_wait_
+  std::size_t order_holds_ = 0;        // staged eager sends whose frame is not posted yet
   op_list send_wait_{};                // sends waiting for a message slot
   // ---- credits: the peer's reply slots this side may still use ----
   std::uint64_t credits_ = 0;
