@@ -919,7 +919,7 @@ class engine {
         // Nothing left to flush: closing a failed endpoint succeeds.
         complete(o, {});
       } else {
-        complete(o, error_ ? error_ : ec);
+        complete(o, failure_of(ec));
       }
       try_finish(o);
       return;
@@ -2567,7 +2567,7 @@ class engine {
     release_slot(b);
     if (ec) {
       if (o.kind_ != op::kind::send && o.out_ != 0) --o.out_;  // no answer will come
-      complete(o, error_ ? error_ : ec);
+      complete(o, failure_of(ec));
       try_finish(o);
       return;
     }
@@ -2717,6 +2717,10 @@ class engine {
     ++owed_msgs_;
     maybe_grant();
   }
+
+  /// The error an operation whose frame failed with `ec` completes with:
+  /// the endpoint's own if it has failed already.
+  std::error_code failure_of(std::error_code ec) const noexcept { return error_ ? error_ : ec; }
 
   /// Sends what is owed once it is a quarter of the room (and no credit
   /// frame is on its way already).

@@ -211,8 +211,10 @@ class end final : public proto::engine {
     if (!p().done_ec[side_]) p().done_ec[side_] = ec;
     if (return_untaken(side_)) post_done_locked(side_);
     if (p().obj[peer()] != nullptr) {
-      // The peer's frames queued for us will never be taken.
-      if (!p().done_ec[peer()]) p().done_ec[peer()] = errc::connection_lost;
+      // The peer's frames queued for us will never be taken. If it closed
+      // (we took its close frame), they came after that close: they fail
+      // as its close does, with closed, not as a broken connection.
+      if (!p().done_ec[peer()]) p().done_ec[peer()] = ec == errc::peer_closed ? errc::closed : errc::connection_lost;
       if (return_untaken(peer())) post_done_locked(peer());
     }
     // The peer learns that we are gone, unless it is the one that closed
