@@ -30,6 +30,16 @@
 /// arrives or the shortest poller bound elapses; otherwise submit without
 /// waiting.
 ///
+/// Bounded sleeps on kernels before 5.11. The bound goes to `io_uring_enter`
+/// itself where the kernel has `IORING_FEAT_EXT_ARG` (Linux 5.11). Without it,
+/// liburing's `io_uring_submit_and_wait_timeout` queues a timeout SQE of its
+/// own, tagged `LIBURING_UDATA_TIMEOUT` (all ones), and consumes its CQE only
+/// when that CQE is the first one it finds; behind another completion it is
+/// reaped here, and `dispatch` drops it (it is no operation, and all ones would
+/// otherwise read as a MSG_RING completion). `scheduler_options::ext_arg` =
+/// false (or `GDR_MASK_EXT_ARG=1` in the environment) makes a scheduler take
+/// that path on any kernel; the scheduler's tests run a second time so.
+///
 /// Sleeping and waking. In `busy_poll` mode the loop never blocks (lowest
 /// latency, one core spent). In `sleep` mode it blocks in the kernel. Another
 /// thread wakes it by posting: it pushes a node, then, if the loop says it is
@@ -92,6 +102,7 @@
 #include <coroutine>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <new>
 #include <optional>
 #include <stop_token>
@@ -117,6 +128,17 @@ enum class run_mode {
   sleep,      ///< block in io_uring_enter until a completion or a poller bound
 };
 
+namespace detail {
+/// `GDR_MASK_EXT_ARG=1` in the environment (see `scheduler_options::ext_arg`).
+inline bool ext_arg_masked_by_env() noexcept {
+  static const bool masked = [] {
+    const char* v = std::getenv("GDR_MASK_EXT_ARG");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return masked;
+}
+}  // namespace detail
+
 /// Construction options of a scheduler.
 struct scheduler_options {
   unsigned sq_entries = 256;          ///< io_uring submission queue size
@@ -129,6 +151,13 @@ struct scheduler_options {
   /// How long the destructor runs the loop to finish operations still in
   /// flight before it gives up on them (see "Teardown" in the file comment).
   std::chrono::milliseconds teardown_timeout{5000};
+  /// Bounded sleeps pass their bound to `io_uring_enter` when the kernel has
+  /// `IORING_FEAT_EXT_ARG` (Linux 5.11). False: the scheduler behaves as on an
+  /// older kernel (liburing bounds the sleep with a timeout SQE; see "Bounded
+  /// sleeps on kernels before 5.11" in the file comment), for tests of that
+  /// path. The default is false when the environment has `GDR_MASK_EXT_ARG=1`
+  /// (read once per process), so a whole test binary can run that way.
+  bool ext_arg = !detail::ext_arg_masked_by_env();
 };
 
 /// Counters a scheduler keeps; cheap, for tests and benchmarks.
@@ -215,6 +244,10 @@ class scheduler {
       rc = io_uring_queue_init_params(opts.sq_entries, &ring_, &p);
     }
     if (rc < 0) throw error(errno_code(-rc), "io_uring_queue_init");
+    // liburing reads the features the kernel reported from the ring, in the
+    // wait with a timeout and in its CQ peeks: clearing the bit here is what
+    // an older kernel looks like to both.
+    if (!opts.ext_arg) ring_.features &= ~IORING_FEAT_EXT_ARG;
     assert(!(ring_.flags & (IORING_SETUP_SQE128 | IORING_SETUP_SQPOLL)) && "get_sqe assumes neither");
     tsan_ring_handoff(true);
     // EFD_NONBLOCK matters: a blocking eventfd sends io_uring's read to a kernel
@@ -680,8 +713,12 @@ class scheduler {
 
   void dispatch(std::uint64_t user_data, int res, std::uint32_t flags) noexcept {
     static_assert(detail::ignore_tag == 0 && detail::wake_tag == 1 && alignof(operation) > detail::message_bit);
+    static_assert(LIBURING_UDATA_TIMEOUT & detail::message_bit, "liburing's timeout tag is tested on the odd branch");
     if (GDR_UNLIKELY(user_data <= detail::wake_tag)) return;  // not an operation
     if (GDR_UNLIKELY(user_data & detail::message_bit)) {
+      // liburing's own timeout of a bounded sleep, without IORING_FEAT_EXT_ARG
+      // (see "Bounded sleeps on kernels before 5.11"): not ours to complete.
+      if (user_data == LIBURING_UDATA_TIMEOUT) return;
       message_done(user_data, res);
       return;
     }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -276,6 +277,68 @@ TEST_CASE("post from a plain thread wakes a sleeping loop through the eventfd") 
   CHECK(n.where.load() == std::this_thread::get_id());
   CHECK(s.stats().sleeps >= 1);
   CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+}
+
+namespace {
+
+// A completion source that only bounds the loop's sleeps, as a CUDA event
+// poller with work pending does.
+class bound_poller final : public gdr::poller {
+ public:
+  explicit bound_poller(std::chrono::nanoseconds bound) : bound_(bound) {}
+  gdr::poll_status poll() noexcept override { return {false, bound_}; }
+  const char* name() const noexcept override { return "bound"; }
+
+ private:
+  std::chrono::nanoseconds bound_;
+};
+
+}  // namespace
+
+TEST_CASE("without IORING_FEAT_EXT_ARG, posts from a plain thread during bounded sleeps wake the loop") {
+  // Before Linux 5.11 liburing bounds a sleep with a timeout SQE of its own
+  // (user_data LIBURING_UDATA_TIMEOUT, all ones). Woken by the eventfd read
+  // of a post, the loop finds that timeout's CQE behind the read's: before
+  // the fix dispatch took it for a MSG_RING completion (SIGSEGV).
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.mode = gdr::run_mode::sleep, .ext_arg = false});
+  REQUIRE((s.ring()->features & IORING_FEAT_EXT_ARG) == 0);
+  bound_poller p(50ms);
+  s.add_poller(p);
+  constexpr int rounds = 5;
+  sched_test::counter_node nodes[rounds];
+  std::thread poster([&] {
+    for (auto& n : nodes) {
+      std::this_thread::sleep_for(10ms);  // the loop is in a 50 ms sleep
+      s.post(&n);                         // no scheduler on this thread: eventfd
+    }
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  s.run_until([&] { return nodes[rounds - 1].runs.load() == 1; });
+  poster.join();
+  // And bounds that expire with nothing to wake the loop (liburing's own
+  // CQE then ends the wait).
+  for (int i = 0; i < 3; ++i) s.run_once();
+  s.remove_poller(p);
+  for (auto& n : nodes) CHECK(n.runs.load() == 1);
+  CHECK(s.stats().sleeps >= rounds);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  CHECK(s.stats().completions == 0);  // liburing's timeouts are nobody's operations
+}
+
+TEST_CASE("GDR_MASK_EXT_ARG=1 masks IORING_FEAT_EXT_ARG for every scheduler; the option says so too") {
+  const char* env = std::getenv("GDR_MASK_EXT_ARG");
+  const bool masked = env != nullptr && std::string(env) == "1";
+  MESSAGE(std::string(masked ? "GDR_MASK_EXT_ARG=1: this binary runs as on a kernel before 5.11"
+                              : "GDR_MASK_EXT_ARG not set"));
+  gdr::scheduler plain;
+  CHECK(gdr::scheduler_options{}.ext_arg == !masked);
+  if (masked) CHECK((plain.ring()->features & IORING_FEAT_EXT_ARG) == 0);
+  gdr::scheduler off({.ext_arg = false});
+  CHECK((off.ring()->features & IORING_FEAT_EXT_ARG) == 0);
+  // Every kernel with MSG_RING (5.18) has EXT_ARG (5.11).
+  gdr::scheduler on({.ext_arg = true});
+  if (gdr::detail::msg_ring_supported(*on.ring())) CHECK((on.ring()->features & IORING_FEAT_EXT_ARG) != 0);
 }
 
 TEST_CASE("schedule() hands a coroutine from another thread to the loop's thread") {
