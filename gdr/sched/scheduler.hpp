@@ -22,8 +22,8 @@
 /// endpoints while the loop busy-polls) are `poller`s, polled once per
 /// iteration after the CQ.
 ///
-/// One iteration (`run_once`): send the cancels kept for want of an SQE (see
-/// "Cancellation"); drain the remote queue; reap every available
+/// One iteration (`run_once`): send what was kept for want of an SQE (the
+/// eventfd read, cancels: see "Cancellation"); drain the remote queue; reap every available
 /// CQE (copied out, CQ advanced, then dispatched, so a completion handler may
 /// prepare new SQEs freely); poll each poller; then, if nothing did work and
 /// the mode is `sleep`, submit and block in `io_uring_enter` until a CQE
@@ -49,6 +49,11 @@
 /// sequentially consistent, so a push racing with the loop going to sleep is
 /// seen by one side or the other (Dekker).
 ///
+/// The eventfd read is armed again from its own completion. If no SQE can be
+/// had then (the SQ is full and the kernel refuses to take it), it is kept, as
+/// a cancel is (below), and armed at the start of the next iteration; until
+/// it is, the loop does not sleep, since an eventfd write would not wake it.
+///
 /// A wake-up is never lost to MSG_RING. Whether the kernel has it (Linux 5.18)
 /// is probed once per process; without it, or with
 /// `scheduler_options::msg_ring_wakeups` off, posters write the eventfd. The
@@ -66,7 +71,11 @@
 /// the request waits in a pending list and goes into the SQ at the start of the
 /// next iteration; a stopped operation never waits forever for a cancel that
 /// was dropped. A pending cancel whose operation completes first is forgotten,
-/// so it can never reach a new operation at the same address.
+/// so it can never reach a new operation at the same address. A cancel asked
+/// for while its operation's final CQE waits, not yet dispatched, in the batch
+/// being dispatched is not kept, for the same reason; CQEs already dispatched
+/// do not count (their operation may have been followed by a new one at the
+/// same address, which the cancel is for).
 ///
 /// Ownership. The scheduler owns the ring, the eventfd (shared with wake-up
 /// messages in flight, above) and the remote queue's head. Operations are owned
@@ -169,6 +178,7 @@ struct scheduler_stats {
   std::uint64_t remote = 0;           ///< remote_work nodes run
   std::uint64_t msg_ring_failed = 0;  ///< wake-up messages this loop sent that failed (sent again by eventfd)
   std::uint64_t cancels_deferred = 0; ///< cancels that found no free SQE and waited in the pending list
+  std::uint64_t wake_reads_deferred = 0;  ///< eventfd reads that found no free SQE and were armed an iteration later
 };
 
 class scheduler;
@@ -486,11 +496,20 @@ class scheduler {
     std::uint32_t flags;
   };
 
+  // A batch of CQEs being dispatched by reap(), in its frame; `outer` is the
+  // batch of the loop whose handler runs this one's loop, if any.
+  struct batch_frame {
+    const completion* cqes;
+    unsigned next;  // the first CQE not dispatched yet
+    unsigned size;
+    const batch_frame* outer;
+  };
+
   // run_once, with sleeps no longer than `cap` (the destructor's deadline).
   bool iterate(bool may_block, std::chrono::nanoseconds cap) {
     binding bind(this);
     ++stats_.iterations;
-    if (GDR_UNLIKELY(!pending_cancels_.empty())) flush_cancels();
+    if (GDR_UNLIKELY(!pending_cancels_.empty() || !wake_armed_)) flush_kept();
     bool worked = drain_remote();
     worked |= reap();
     auto bound = cap;
@@ -504,7 +523,9 @@ class scheduler {
       if (s.sleep_bound < bound) bound = s.sleep_bound;
     }
     worked |= changed != pollers_changed_;
-    if (!worked && may_block && mode_ == run_mode::sleep && bound.count() > 0) {
+    // Without its eventfd read the loop would sleep through posts: it spins
+    // until flush_kept has armed the read again.
+    if (!worked && may_block && mode_ == run_mode::sleep && bound.count() > 0 && wake_armed_) {
       sleep(bound);
     } else {
       submit();
@@ -540,14 +561,18 @@ class scheduler {
     io_uring_sqe_set_data64(sqe, detail::ignore_tag);
   }
 
-  // No SQE for a cancel (the kernel refused the SQ): keep it for flush_cancels.
+  // No SQE for a cancel (the kernel refused the SQ): keep it for flush_kept.
   [[gnu::noinline]] void defer_cancel(std::uint64_t target) noexcept {
-    // Its operation's final CQE may be in the batch being dispatched (a
+    // Its operation's final CQE may wait in the batch being dispatched (a
     // handler earlier in it asked for the cancel): then it is finishing
     // anyway, and a cancel sent later could reach a new operation at the
-    // same address.
-    for (std::size_t i = 0; i < batch_size_; ++i)
-      if (batch_[i].user_data == target && !(batch_[i].flags & IORING_CQE_F_MORE)) return;
+    // same address. Only CQEs not dispatched yet count: one already
+    // dispatched (the handler's own, or an earlier one) ended an operation
+    // whose address may now hold the new one this cancel is for. Handlers
+    // may run a loop, so the batches of the loops below count too.
+    for (const batch_frame* b = batch_; b != nullptr; b = b->outer)
+      for (unsigned i = b->next; i < b->size; ++i)
+        if (b->cqes[i].user_data == target && !(b->cqes[i].flags & IORING_CQE_F_MORE)) return;
     ++stats_.cancels_deferred;
     try {
       pending_cancels_.push_back(target);  // no allocation within the reserved 16
@@ -566,8 +591,10 @@ class scheduler {
     }
   }
 
-  // Start of an iteration: the pending cancels go into the SQ, as many as fit.
-  [[gnu::noinline]] void flush_cancels() noexcept {
+  // Start of an iteration: the eventfd read, if it is not armed, and the
+  // pending cancels go into the SQ, as many as fit.
+  [[gnu::noinline]] void flush_kept() noexcept {
+    if (!wake_armed_) arm_wake_read();
     std::size_t sent = 0;
     for (; sent < pending_cancels_.size(); ++sent) {
       io_uring_sqe* sqe = get_sqe();
@@ -646,10 +673,18 @@ class scheduler {
 
   void arm_wake_read() noexcept {
     io_uring_sqe* sqe = get_sqe();
-    if (sqe == nullptr) return;  // unreachable: only called with a free SQ slot
+    if (GDR_UNLIKELY(sqe == nullptr)) {
+      // The SQ is full and the kernel refuses it: armed by flush_kept at the
+      // start of the next iteration (see "The eventfd read" in the file
+      // comment). A wake-up written meanwhile stays in the eventfd's count.
+      if (wake_armed_) ++stats_.wake_reads_deferred;
+      wake_armed_ = false;
+      return;
+    }
     io_uring_prep_read(sqe, channel_->fd, &wake_buf_, sizeof wake_buf_, 0);
     // Not counted in inflight_: it is the loop's own, always pending.
     io_uring_sqe_set_data(sqe, static_cast<operation*>(&wake_op_));
+    wake_armed_ = true;
   }
 
   bool drain_remote() noexcept {
@@ -699,12 +734,15 @@ class scheduler {
       // Advance before dispatching: handlers may submit and even wait.
       io_uring_cq_advance(&ring_, n);
       if (GDR_UNLIKELY(!pending_cancels_.empty())) forget_cancels(done, n);
-      // What defer_cancel looks at (restored: a handler may run a loop).
-      const completion* outer = std::exchange(batch_, done);
-      unsigned outer_size = std::exchange(batch_size_, n);
-      for (unsigned i = 0; i < n; ++i) dispatch(done[i].user_data, done[i].res, done[i].flags);
-      batch_ = outer;
-      batch_size_ = outer_size;
+      // What defer_cancel looks at: the CQEs after the one being dispatched
+      // (restored after: a handler may run a loop).
+      batch_frame frame{done, 0, n, batch_};
+      batch_ = &frame;
+      for (unsigned i = 0; i < n; ++i) {
+        frame.next = i + 1;
+        dispatch(done[i].user_data, done[i].res, done[i].flags);
+      }
+      batch_ = frame.outer;
       worked = true;
       if (n < batch) break;
     }
@@ -764,8 +802,8 @@ class scheduler {
   std::size_t inflight_ = 0;
   std::size_t messages_inflight_ = 0;  // MSG_RING wake-ups sent from this ring, not reaped yet
   std::vector<std::uint64_t> pending_cancels_;  // user_data of operations to cancel
-  const completion* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)
-  unsigned batch_size_ = 0;
+  const batch_frame* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)
+  bool wake_armed_ = false;  // the eventfd read is in the SQ or the kernel
   std::vector<poller*> pollers_;
   std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
   // Written when a poller is constructed or destroyed, read on every await
