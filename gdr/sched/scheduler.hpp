@@ -94,7 +94,12 @@
 /// What is still in flight after the bound (an operation nothing will
 /// complete: a coroutine suspended on a pipe nobody writes, an endpoint still
 /// alive) is reported in one line on stderr and abandoned: its coroutine never
-/// resumes and what it owns is leaked. Objects bound to a scheduler
+/// resumes and what it owns is leaked. The stop callbacks of operations still
+/// pending then (abandoned, or waiting for something other than a CQE) are
+/// destroyed, through the `detail::stop_hook` each links into the scheduler
+/// while its callbacks are registered: a stop requested later (a
+/// `task_scope::request_stop` on the way out) calls nothing, where it would
+/// post to the freed scheduler. Objects bound to a scheduler
 /// (endpoints, listeners' accepts, pollers) must be destroyed before it; an
 /// endpoint that outlives its scheduler is leaked when destroyed (its
 /// connection waits for a completion that cannot come) and must not be used.
@@ -231,6 +236,29 @@ inline bool msg_ring_supported(io_uring& ring) noexcept {
   return supported;
 }
 
+/// The stop callbacks of one pending operation, as its scheduler knows them.
+/// An operation whose stop callbacks post to its scheduler (`uring_awaitable`,
+/// `cancellable`) links a hook into it while they are registered
+/// (`scheduler::link_stop_hook`) and unlinks it when it destroys them
+/// (`unlink_stop_hook`). A scheduler being destroyed calls `drop` on every
+/// hook still linked, after unlinking it: `drop` destroys the operation's
+/// callbacks (which waits for one running on another thread), so no later
+/// stop request reaches the dead scheduler. Loop thread only.
+struct stop_hook {
+  void (*drop)(stop_hook* self) noexcept = nullptr;
+  stop_hook* prev = nullptr;  // null: not linked
+  stop_hook* next = nullptr;
+};
+
+/// Takes `h` off its scheduler's list if it is on one; touches only the
+/// neighbours, so it is safe after the scheduler dropped `h` and is gone.
+inline void unlink_stop_hook(stop_hook& h) noexcept {
+  if (h.prev == nullptr) return;
+  h.prev->next = h.next;
+  h.next->prev = h.prev;
+  h.prev = h.next = nullptr;
+}
+
 struct scheduler_testing;
 }  // namespace detail
 
@@ -280,6 +308,7 @@ class scheduler {
       throw;
     }
     channel_->fd = fd;
+    stop_hooks_.prev = stop_hooks_.next = &stop_hooks_;
     if (opts.msg_ring_wakeups && detail::msg_ring_supported(ring_)) msg_ring_fd_ = ring_.ring_fd;
     wake_op_.self = this;
     wake_op_.complete = &wake_read_done;
@@ -297,6 +326,7 @@ class scheduler {
   /// must have stopped posting to it, as for any object being destroyed.
   ~scheduler() {
     finish_inflight();
+    drop_stop_hooks();
     tsan_ring_handoff(false);
     io_uring_queue_exit(&ring_);
     // Wake-up messages still in flight to this ring keep the eventfd open
@@ -363,6 +393,18 @@ class scheduler {
 
   /// Cancels requested without a free SQE, waiting for the next iteration.
   std::size_t pending_cancels() const noexcept { return pending_cancels_.size(); }
+
+  /// Links the hook of an operation whose stop callbacks post to this
+  /// scheduler, for as long as they are registered (see `detail::stop_hook`;
+  /// `detail::unlink_stop_hook` ends it). `h.drop` must be set. Loop thread
+  /// only.
+  void link_stop_hook(detail::stop_hook& h) noexcept {
+    assert(h.drop != nullptr && h.prev == nullptr);
+    h.prev = &stop_hooks_;
+    h.next = stop_hooks_.next;
+    stop_hooks_.next->prev = &h;
+    stop_hooks_.next = &h;
+  }
 
   // ---------------------------------------------------------------- pollers
 
@@ -554,6 +596,17 @@ class scheduler {
                  "gdr::scheduler: destroyed with %zu operation(s) still in flight after %lld ms of teardown; "
                  "abandoning them (their coroutines will not resume, what they hold is leaked)\n",
                  inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
+  }
+
+  // The destructor, after finish_inflight: the operations still pending will
+  // never complete here; their stop callbacks must not reach this scheduler
+  // (see "Teardown" in the file comment).
+  void drop_stop_hooks() noexcept {
+    while (stop_hooks_.next != &stop_hooks_) {
+      detail::stop_hook* h = stop_hooks_.next;
+      detail::unlink_stop_hook(*h);  // first: `drop` may free nothing, but must find it unlinked
+      h->drop(h);
+    }
   }
 
   void prep_cancel(io_uring_sqe* sqe, std::uint64_t target) noexcept {
@@ -804,6 +857,9 @@ class scheduler {
   std::vector<std::uint64_t> pending_cancels_;  // user_data of operations to cancel
   const batch_frame* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)
   bool wake_armed_ = false;  // the eventfd read is in the SQ or the kernel
+  // The stop hooks of pending operations: a circular list through this
+  // sentinel (set up in the constructor; the scheduler does not move).
+  detail::stop_hook stop_hooks_{};
   std::vector<poller*> pollers_;
   std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
   // Written when a poller is constructed or destroyed, read on every await
