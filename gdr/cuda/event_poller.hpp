@@ -242,9 +242,11 @@ class event_poller final : public copy_engine {
   /// Records an event on `stream` (of GPU `device`) after the work queued on
   /// it so far, and queues `op` to complete when that event has. With
   /// strategy (A) in sleep mode, also enqueues the waking host function.
-  /// Returns the CUDA error if the event could not be recorded (then `op` is
-  /// not queued and will not complete).
+  /// Returns `std::errc::not_enough_memory` (checked first), or the CUDA
+  /// error if the event could not be recorded; then `op` is not queued and
+  /// will not complete.
   std::error_code enqueue(cudaStream_t stream, int device, event_operation* op) noexcept {
+    if (!reserve_fifo()) return make_error_code(std::errc::not_enough_memory);
     cudaEvent_t ev = nullptr;
     if (std::error_code ec = acquire_event(device, &ev)) return ec;
     if (std::error_code ec = check(cudaEventRecord(ev, stream), "cudaEventRecord")) {
@@ -272,6 +274,7 @@ class event_poller final : public copy_engine {
     if (n == 0 || device < 0 || dst == nullptr || src == nullptr || c == nullptr || c->done == nullptr ||
         (after && after.device < 0))
       return make_error_code(errc::invalid_argument);
+    if (!reserve_fifo()) return make_error_code(std::errc::not_enough_memory);
     cudaStream_t s = nullptr;
     if (std::error_code ec = copy_stream(device, d, &s)) return ec;
     // Everything that can run out first, so that once the copy is queued
@@ -444,9 +447,24 @@ class event_poller final : public copy_engine {
     w->outstanding.fetch_sub(1, std::memory_order_release);
   }
 
-  fifo& fifo_of(cudaStream_t s) {
+  // Room for one more FIFO, so that push() cannot run out of memory once the
+  // event is recorded: enqueue and copy call it before anything else (a
+  // FIFO's vector only grows here, and poll() keeps its capacity).
+  bool reserve_fifo() noexcept {
+    if (fifos_.size() < fifos_.capacity()) return true;
+    try {
+      fifos_.reserve(fifos_.empty() ? 4 : 2 * fifos_.size());
+    } catch (...) {  // std::bad_alloc
+      return false;
+    }
+    return true;
+  }
+
+  // Within the capacity reserve_fifo made: never allocates.
+  fifo& fifo_of(cudaStream_t s) noexcept {
     for (fifo& f : fifos_)
       if (f.stream == s) return f;
+    assert(fifos_.size() < fifos_.capacity() && "event_poller: reserve_fifo() first");
     fifos_.push_back(fifo{s, nullptr, nullptr});
     return fifos_.back();
   }

@@ -62,7 +62,6 @@
 #include <mutex>
 #include <new>
 #include <utility>
-#include <vector>
 
 #include <gdr/error.hpp>
 #include <gdr/memory/registration.hpp>
@@ -182,8 +181,10 @@ class registration_cache {
   ///
   /// Errors: `errc::invalid_argument` (empty range, a range that wraps
   /// around the address space, or one larger than `max_bytes`),
-  /// `errc::busy` (bounds reached and every entry leased), or the backend's
-  /// error. Nothing is cached on failure.
+  /// `errc::busy` (bounds reached and every entry leased),
+  /// `std::errc::not_enough_memory` (no memory for the cache's own entry: the
+  /// new registration is undone), or the backend's error. Nothing is cached
+  /// on failure.
   result<lease> acquire(const void* addr, std::size_t len) noexcept {
     const auto lo = reinterpret_cast<std::uintptr_t>(addr);
     if (len == 0 || len > std::numeric_limits<std::uintptr_t>::max() - lo) return errc::invalid_argument;
@@ -222,7 +223,14 @@ class registration_cache {
       ++stats_.failures;
       return make_error_code(std::errc::not_enough_memory);
     }
-    index_.emplace(std::pair{base, end}, e);
+    try {
+      index_.emplace(std::pair{base, end}, e);
+    } catch (...) {  // std::bad_alloc for the map's node
+      backend_.deregister(e->handle);
+      delete e;
+      ++stats_.failures;
+      return make_error_code(std::errc::not_enough_memory);
+    }
     bytes_ += bytes;
     if (bytes > max_len_) max_len_ = bytes;
     return take(e);
@@ -238,7 +246,7 @@ class registration_cache {
   /// Removes every entry overlapping `[addr, addr + len)`: later acquires of
   /// those addresses register anew. Call it before freeing memory (see the
   /// file comment). Idle entries are deregistered now, leased ones when
-  /// released. Returns how many entries were removed.
+  /// released. Returns how many entries were removed. Allocates nothing.
   std::size_t invalidate(const void* addr, std::size_t len) noexcept {
     const auto lo = reinterpret_cast<std::uintptr_t>(addr);
     const std::uintptr_t hi = len > std::numeric_limits<std::uintptr_t>::max() - lo
@@ -246,24 +254,28 @@ class registration_cache {
                                   : lo + len;
     if (hi == lo) return 0;
     std::lock_guard lock(mu_);
-    std::vector<entry*> hit;
+    std::size_t removed = 0;
     // Entries starting more than max_len_ below `lo` end before it.
     auto it = index_.lower_bound({lo > max_len_ ? lo - max_len_ : 0, 0});
-    for (; it != index_.end() && it->first.first < hi; ++it)
-      if (it->first.second > lo) hit.push_back(it->second);
-    for (entry* e : hit) remove(e);
-    stats_.invalidations += hit.size();
-    return hit.size();
+    while (it != index_.end() && it->first.first < hi) {
+      entry* e = it->second;
+      const bool overlaps = it->first.second > lo;
+      ++it;  // before remove() erases e's node (no other iterator is invalidated)
+      if (overlaps) {
+        remove(e);
+        ++removed;
+      }
+    }
+    stats_.invalidations += removed;
+    return removed;
   }
 
-  /// Invalidates every entry.
+  /// Invalidates every entry. Allocates nothing.
   void clear() noexcept {
     std::lock_guard lock(mu_);
-    std::vector<entry*> all;
-    all.reserve(index_.size());
-    for (auto& [range, e] : index_) all.push_back(e);
-    for (entry* e : all) remove(e);
-    stats_.invalidations += all.size();
+    std::size_t removed = 0;
+    for (auto it = index_.begin(); it != index_.end(); ++removed) remove((it++)->second);
+    stats_.invalidations += removed;
   }
 
   /// Registrations held now (cached and invalidated-but-leased).

@@ -20,6 +20,7 @@
 #include <gdr/sched/timer.hpp>
 
 #include "tests/cuda/cuda_test_support.hpp"
+#include "tests/support/alloc_failure.hpp"
 #include "tests/support/skip.hpp"
 
 using namespace std::chrono_literals;
@@ -47,6 +48,37 @@ TEST_CASE("an event poller attaches to one scheduler and detaches when destroyed
   gdr::cuda::event_poller a(sched), b(other);
   CHECK(gdr::cuda::event_poller::of(sched) == &a);
   CHECK(gdr::cuda::event_poller::of(other) == &b);
+}
+
+TEST_CASE("without memory for a new stream's FIFO, enqueue and copy fail with not_enough_memory before any CUDA call") {
+  // Runs anywhere: the FIFO's room is found before the first CUDA call.
+  // Before the fix the FIFO was added after the event was recorded (or the
+  // copy queued), inside noexcept functions: std::terminate on a GPU, and
+  // here the CUDA error of the missing driver instead of this one.
+  gdr::scheduler sched;
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::event_operation op;
+  op.complete = [](gdr::operation*, int, std::uint32_t) noexcept {};
+  struct done_probe : gdr::copy_engine::completion {
+    done_probe() {
+      done = [](gdr::copy_engine::completion*, std::error_code) noexcept {};
+    }
+  } c;
+  unsigned char host[8] = {}, device_stand_in[8] = {};
+  std::error_code enqueued, copied;
+  long failed = 0;
+  {
+    gdr_test_support::failing_allocations oom;
+    enqueued = events.enqueue(nullptr, 0, &op);
+    copied = events.copy(gdr::copy_engine::direction::to_host, 0, host, device_stand_in, sizeof host, {}, &c);
+    failed = oom.failed();
+  }
+  CHECK(enqueued == std::errc::not_enough_memory);
+  CHECK(copied == std::errc::not_enough_memory);
+  CHECK(failed == 2);
+  CHECK(events.pending() == 0);
+  CHECK(events.stats().enqueued == 0);
+  CHECK(events.stats().events_created == 0);
 }
 
 namespace {

@@ -1,5 +1,6 @@
 // gdr/memory/registration_cache.hpp: hits, misses, alignment, no merging,
-// LRU eviction within bounds, invalidation, failures, threads.
+// LRU eviction within bounds, invalidation, failures (also out of memory),
+// threads.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include <gdr/memory/registration_cache.hpp>
+
+#include "tests/support/alloc_failure.hpp"
 
 using gdr::errc;
 
@@ -285,4 +288,70 @@ TEST_CASE("concurrent acquire, release and invalidate keep the cache consistent"
   }
   CHECK(st.live.empty());
   CHECK(st.registrations == st.deregistrations);
+}
+
+namespace {
+
+// A backend that allocates nothing, for tests that make allocations fail.
+struct counting_backend {
+  using handle_type = int;
+  int* registered;
+  int* deregistered;
+  gdr::result<int> register_range(std::uintptr_t, std::size_t) noexcept { return ++*registered; }
+  void deregister(int&) noexcept { ++*deregistered; }
+};
+
+}  // namespace
+
+TEST_CASE("out of memory for its index, acquire fails with not_enough_memory and undoes the registration") {
+  // Before the fix the index's allocation threw inside noexcept acquire():
+  // std::terminate.
+  int registered = 0, deregistered = 0;
+  gdr::registration_cache<counting_backend> cache(counting_backend{&registered, &deregistered});
+  gdr::result<gdr::registration_cache<counting_backend>::lease> r = gdr::errc::busy;
+  long failed = 0;
+  {
+    gdr_test_support::failing_allocations oom(1);  // the entry, not the index's node
+    r = cache.acquire(at(0x10000), 8);
+    failed = oom.failed();
+  }
+  CHECK(failed == 1);
+  REQUIRE(!r);
+  CHECK(r.error() == std::errc::not_enough_memory);
+  CHECK(registered == 1);
+  CHECK(deregistered == 1);  // undone
+  CHECK(cache.size() == 0);
+  CHECK(cache.registered_bytes() == 0);
+  CHECK(cache.stats().failures == 1);
+  CHECK(cache.acquire(at(0x10000), 8).has_value());  // and the cache still works
+}
+
+TEST_CASE("invalidate and clear allocate nothing, so they work out of memory") {
+  // Before the fix both collected the entries in a vector first: an
+  // allocation failure inside noexcept functions, std::terminate.
+  int registered = 0, deregistered = 0;
+  gdr::registration_cache<counting_backend> cache(counting_backend{&registered, &deregistered});
+  for (std::uintptr_t p : {0x10000u, 0x11000u, 0x12000u, 0x20000u, 0x30000u}) (void)cache.acquire(at(p), 8).value();
+  auto held = cache.acquire(at(0x20000), 8).value();
+  std::size_t invalidated = 0;
+  long failed = 0;
+  {
+    gdr_test_support::failing_allocations oom;
+    invalidated = cache.invalidate(at(0x10000), 0x11000);  // [0x10000, 0x21000): four entries
+    failed = oom.failed();
+  }
+  CHECK(failed == 0);
+  CHECK(invalidated == 4);
+  CHECK(deregistered == 3);  // the held one at its release
+  {
+    gdr_test_support::failing_allocations oom;
+    cache.clear();
+    failed = oom.failed();
+  }
+  CHECK(failed == 0);
+  CHECK(deregistered == 4);
+  held.release();
+  CHECK(deregistered == 5);
+  CHECK(cache.size() == 0);
+  CHECK(cache.stats().invalidations == 5);
 }
