@@ -613,6 +613,14 @@ namespace detail {
 /// event recorded after it has completed. `Derived::issue()` queues the work
 /// (`noexcept`, returns an error code); `Derived` may set `ec_` before the
 /// await (argument errors), which then completes at once.
+///
+/// Work queued cannot be recalled: if `issue()` succeeded and the event then
+/// cannot be recorded (no event or memory to be had, the device guard
+/// fails), the coroutine resumes with that error only after
+/// `Derived::drain_issued()` has waited on the host for the stream to run the
+/// work (`cudaStreamSynchronize`, as `event_poller::copy` does), so the
+/// caller may release its buffers at once. A `Derived` that queues nothing
+/// hides `drain_issued` with a no-op (`synchronize`).
 template <class Derived>
 class stream_awaitable : public event_operation {
  public:
@@ -635,6 +643,10 @@ class stream_awaitable : public event_operation {
     if ((ec_ = static_cast<Derived*>(this)->issue())) return false;
     if ((ec_ = p->enqueue(stream_, device_, this))) {
       what_ = "gdr: recording a CUDA event";
+      // The work just queued may still run: the caller must not see the
+      // error before it has (see the class comment). An error path of an
+      // error path: a host wait is acceptable.
+      static_cast<Derived*>(this)->drain_issued();
       return false;
     }
     waiter_ = h;
@@ -654,6 +666,13 @@ class stream_awaitable : public event_operation {
       result<void> await_resume() const noexcept { return this->ec_; }
     };
     return adapter{static_cast<Derived&&>(*this)};
+  }
+
+  /// Waits on the host until the stream has run what `issue()` queued (the
+  /// event after it could not be recorded). A `Derived` that queues nothing
+  /// hides it with a no-op.
+  void drain_issued() noexcept {
+    check_or_log(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (after a failed cudaEventRecord)");
   }
 
  protected:
@@ -680,6 +699,8 @@ class synchronize_awaitable : public stream_awaitable<synchronize_awaitable> {
  public:
   using stream_awaitable::stream_awaitable;
   std::error_code issue() noexcept { return {}; }
+  /// Nothing was queued: no host wait on a stream that may run long work.
+  void drain_issued() noexcept {}
 };
 
 }  // namespace detail

@@ -274,3 +274,86 @@ TEST_CASE("a not-ready query leaves no last error for unrelated code to find") {
   CHECK(cudaPeekAtLastError() == cudaSuccess);
   while (events.pending() != 0) sched.run_once();
 }
+
+namespace {
+
+// A stream awaitable whose issue() says it queued work without doing so, and
+// whose drain_issued() records when it runs: the base's control flow after a
+// failed event record, on any machine.
+struct seam_awaitable : gdr::cuda::detail::stream_awaitable<seam_awaitable> {
+  using stream_awaitable::stream_awaitable;
+  std::string* log = nullptr;
+  std::error_code issue() noexcept {
+    *log += "issue ";
+    return {};
+  }
+  void drain_issued() noexcept { *log += "drain "; }
+};
+
+// A GPU that does not exist: the poller cannot record an event for it.
+constexpr int no_such_gpu = 1 << 20;
+
+gdr::task<> await_seam(std::string& log, gdr::result<void>& r) {
+  seam_awaitable a(nullptr, no_such_gpu);
+  a.log = &log;
+  r = co_await std::move(a).as_result();
+  log += "resumed";
+}
+
+}  // namespace
+
+TEST_CASE("work queued before a failed event record is waited for before the coroutine resumes") {
+  // Runs anywhere. Before the fix the coroutine resumed with the error at
+  // once, free to release buffers a queued copy was still using.
+  gdr::scheduler sched;
+  gdr::cuda::event_poller events(sched);
+  std::string log;
+  gdr::result<void> r;
+  gdr::sync_wait(sched, await_seam(log, r));
+  CHECK(log == "issue drain resumed");
+  CHECK(!r);
+  CHECK(events.pending() == 0);
+}
+
+namespace {
+
+// Queues real copies on `s`, for an event the poller cannot record.
+struct queued_copies : gdr::cuda::detail::stream_awaitable<queued_copies> {
+  using stream_awaitable::stream_awaitable;
+  gdr_test::busy_work* work = nullptr;
+  const gdr::cuda::stream* on = nullptr;
+  std::error_code issue() noexcept {
+    try {
+      work->queue(*on, 16);
+    } catch (const gdr::error& e) {
+      return e.code();
+    }
+    return {};
+  }
+};
+
+gdr::task<> await_copies(queued_copies a, const gdr::cuda::stream& s, gdr::result<void>& r, bool& idle_at_resume) {
+  r = co_await std::move(a).as_result();
+  idle_at_resume = s.query().value();
+}
+
+}  // namespace
+
+TEST_CASE("copies queued before a failed event record have finished when the coroutine resumes") {
+  // What only a GPU shows: the base's host wait is a real cudaStreamSynchronize.
+  // The awaitable's stream is a real one, its device one that does not
+  // exist, so the event fails after 16 copies of 256 MiB (~4 ms) are queued.
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr::scheduler sched;
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::stream s(0);
+  gdr_test::busy_work work;
+  queued_copies a(s.get(), no_such_gpu);
+  a.work = &work;
+  a.on = &s;
+  gdr::result<void> r;
+  bool idle = false;
+  gdr::sync_wait(sched, await_copies(std::move(a), s, r, idle));
+  CHECK(!r);
+  CHECK(idle);  // before the fix: the copies were still running
+}
