@@ -23,12 +23,12 @@
 /// iteration after the CQ.
 ///
 /// One iteration (`run_once`): send what was kept for want of an SQE (the
-/// eventfd read, cancels: see "Cancellation"); drain the remote queue; reap every available
-/// CQE (copied out, CQ advanced, then dispatched, so a completion handler may
-/// prepare new SQEs freely); poll each poller; then, if nothing did work and
-/// the mode is `sleep`, submit and block in `io_uring_enter` until a CQE
-/// arrives or the shortest poller bound elapses; otherwise submit without
-/// waiting.
+/// eventfd read, cancels: see "Cancellation"); drain the remote queue; reap
+/// every available CQE (copied out, CQ advanced, then dispatched, so a
+/// completion handler may prepare new SQEs freely); poll each poller; then,
+/// if nothing did work and the mode is `sleep`, submit and block in
+/// `io_uring_enter` until a CQE arrives or the shortest poller bound elapses;
+/// otherwise submit without waiting.
 ///
 /// Bounded sleeps on kernels before 5.11. The bound goes to `io_uring_enter`
 /// itself where the kernel has `IORING_FEAT_EXT_ARG` (Linux 5.11). Without it,
@@ -604,7 +604,9 @@ class scheduler {
   void drop_stop_hooks() noexcept {
     while (stop_hooks_.next != &stop_hooks_) {
       detail::stop_hook* h = stop_hooks_.next;
-      detail::unlink_stop_hook(*h);  // first: `drop` may free nothing, but must find it unlinked
+      // Unlinked first: the operation's own unlink_stop_hook, if it ever
+      // runs, must not reach this scheduler's list.
+      detail::unlink_stop_hook(*h);
       h->drop(h);
     }
   }
@@ -728,8 +730,9 @@ class scheduler {
     io_uring_sqe* sqe = get_sqe();
     if (GDR_UNLIKELY(sqe == nullptr)) {
       // The SQ is full and the kernel refuses it: armed by flush_kept at the
-      // start of the next iteration (see "The eventfd read" in the file
-      // comment). A wake-up written meanwhile stays in the eventfd's count.
+      // start of the next iteration (see "The eventfd read is armed again" in
+      // the file comment). A wake-up written meanwhile stays in the eventfd's
+      // count, and the read armed later returns it at once.
       if (wake_armed_) ++stats_.wake_reads_deferred;
       wake_armed_ = false;
       return;
