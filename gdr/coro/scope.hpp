@@ -55,10 +55,14 @@ class task_scope {
 
   /// Starts `t` now, under the scope's stop token; it runs until its first
   /// suspension before `spawn` returns. An exception it throws is kept for
-  /// `join()`. Allocates one frame (the wrapper that tracks the task).
+  /// `join()`. Allocates one frame (the wrapper that tracks the task); if
+  /// that throws (`std::bad_alloc`), `t` is destroyed without having run and
+  /// the scope is as it was.
   void spawn(task<void> t) {
-    count_.fetch_add(1, std::memory_order_relaxed);
+    // The frame first: counted before it, a failed allocation would leave a
+    // task that never runs for join() to wait for.
     auto h = run(std::move(t)).release();
+    count_.fetch_add(1, std::memory_order_relaxed);
     h.promise().scope = this;
     h.promise().set_stop_token(stop_.get_token());
     h.resume();

@@ -242,9 +242,11 @@ class event_poller final : public copy_engine {
   /// Records an event on `stream` (of GPU `device`) after the work queued on
   /// it so far, and queues `op` to complete when that event has. With
   /// strategy (A) in sleep mode, also enqueues the waking host function.
-  /// Returns the CUDA error if the event could not be recorded (then `op` is
-  /// not queued and will not complete).
+  /// Returns `std::errc::not_enough_memory` (checked first), or the CUDA
+  /// error if the event could not be recorded; then `op` is not queued and
+  /// will not complete.
   std::error_code enqueue(cudaStream_t stream, int device, event_operation* op) noexcept {
+    if (!reserve_fifo()) return make_error_code(std::errc::not_enough_memory);
     cudaEvent_t ev = nullptr;
     if (std::error_code ec = acquire_event(device, &ev)) return ec;
     if (std::error_code ec = check(cudaEventRecord(ev, stream), "cudaEventRecord")) {
@@ -272,6 +274,7 @@ class event_poller final : public copy_engine {
     if (n == 0 || device < 0 || dst == nullptr || src == nullptr || c == nullptr || c->done == nullptr ||
         (after && after.device < 0))
       return make_error_code(errc::invalid_argument);
+    if (!reserve_fifo()) return make_error_code(std::errc::not_enough_memory);
     cudaStream_t s = nullptr;
     if (std::error_code ec = copy_stream(device, d, &s)) return ec;
     // Everything that can run out first, so that once the copy is queued
@@ -444,9 +447,24 @@ class event_poller final : public copy_engine {
     w->outstanding.fetch_sub(1, std::memory_order_release);
   }
 
-  fifo& fifo_of(cudaStream_t s) {
+  // Room for one more FIFO, so that push() cannot run out of memory once the
+  // event is recorded: enqueue and copy call it before anything else (a
+  // FIFO's vector only grows here, and poll() keeps its capacity).
+  bool reserve_fifo() noexcept {
+    if (fifos_.size() < fifos_.capacity()) return true;
+    try {
+      fifos_.reserve(fifos_.empty() ? 4 : 2 * fifos_.size());
+    } catch (...) {  // std::bad_alloc
+      return false;
+    }
+    return true;
+  }
+
+  // Within the capacity reserve_fifo made: never allocates.
+  fifo& fifo_of(cudaStream_t s) noexcept {
     for (fifo& f : fifos_)
       if (f.stream == s) return f;
+    assert(fifos_.size() < fifos_.capacity() && "event_poller: reserve_fifo() first");
     fifos_.push_back(fifo{s, nullptr, nullptr});
     return fifos_.back();
   }
@@ -595,6 +613,14 @@ namespace detail {
 /// event recorded after it has completed. `Derived::issue()` queues the work
 /// (`noexcept`, returns an error code); `Derived` may set `ec_` before the
 /// await (argument errors), which then completes at once.
+///
+/// Work queued cannot be recalled: if `issue()` succeeded and the event then
+/// cannot be recorded (no event or memory to be had, the device guard
+/// fails), the coroutine resumes with that error only after
+/// `Derived::drain_issued()` has waited on the host for the stream to run the
+/// work (`cudaStreamSynchronize`, as `event_poller::copy` does), so the
+/// caller may release its buffers at once. A `Derived` that queues nothing
+/// hides `drain_issued` with a no-op (`synchronize`).
 template <class Derived>
 class stream_awaitable : public event_operation {
  public:
@@ -617,6 +643,10 @@ class stream_awaitable : public event_operation {
     if ((ec_ = static_cast<Derived*>(this)->issue())) return false;
     if ((ec_ = p->enqueue(stream_, device_, this))) {
       what_ = "gdr: recording a CUDA event";
+      // The work just queued may still run: the caller must not see the
+      // error before it has (see the class comment). An error path of an
+      // error path: a host wait is acceptable.
+      static_cast<Derived*>(this)->drain_issued();
       return false;
     }
     waiter_ = h;
@@ -636,6 +666,13 @@ class stream_awaitable : public event_operation {
       result<void> await_resume() const noexcept { return this->ec_; }
     };
     return adapter{static_cast<Derived&&>(*this)};
+  }
+
+  /// Waits on the host until the stream has run what `issue()` queued (the
+  /// event after it could not be recorded). A `Derived` that queues nothing
+  /// hides it with a no-op.
+  void drain_issued() noexcept {
+    check_or_log(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (after a failed cudaEventRecord)");
   }
 
  protected:
@@ -662,6 +699,8 @@ class synchronize_awaitable : public stream_awaitable<synchronize_awaitable> {
  public:
   using stream_awaitable::stream_awaitable;
   std::error_code issue() noexcept { return {}; }
+  /// Nothing was queued: no host wait on a stream that may run long work.
+  void drain_issued() noexcept {}
 };
 
 }  // namespace detail

@@ -31,7 +31,9 @@
 /// memory must then stay allocated until the leases are gone, which only the
 /// awaitable tells. Destroying a handle while leases are out does not block
 /// the thread: it prints a one-line warning to stderr, because freeing the
-/// memory next would let an access being served write freed memory. This is
+/// memory next would let an access being served write freed memory. It warns
+/// whether or not `revoke()` was called first: only a wait that is over (an
+/// awaited `revoke()`) tells that no lease is left. This is
 /// the model that verbs deregistration (`ibv_dereg_mr` only after the work
 /// requests that use the MR complete) and CUDA IPC unmapping need.
 ///
@@ -231,7 +233,8 @@ class registration {
   }
   registration(const registration&) = delete;
   registration& operator=(const registration&) = delete;
-  /// Revokes the key. Does not wait: if an access is still being served,
+  /// Revokes the key if `revoke()` has not. Does not wait: if an access is
+  /// still being served (also after a `revoke()` not awaited to its end),
   /// warns on stderr (see the file comment); `co_await revoke()` first.
   ~registration() { revoke_on_drop(); }
 
@@ -363,6 +366,13 @@ class memory_registry {
     return draining_.size();
   }
 
+  /// The revoked registration `key` still has leases out: its revocation
+  /// is not over (false for a key live or unknown).
+  bool revocation_pending(std::uint64_t key) const noexcept {
+    std::shared_lock lock(mu_);
+    return draining_.contains(key);
+  }
+
  private:
   friend class access_lease;
   friend class revoke_awaitable;
@@ -477,10 +487,18 @@ revoke_awaitable registration<T, S>::revoke() noexcept {
 
 template <class T, class S>
 void registration<T, S>::revoke_on_drop() noexcept {
-  if (!live_) return;
-  live_ = false;
-  revoke_awaitable wait = reg_->revoke(key_);
-  if (!wait.await_ready()) {
+  if (reg_ == nullptr) return;  // empty, or moved from
+  bool served;
+  if (live_) {
+    live_ = false;
+    served = !reg_->revoke(key_).await_ready();
+  } else {
+    // revoke() was called; if its wait is not over, freeing the memory
+    // next is the same mistake. (Asking only, not revoking again: the key
+    // is this handle's only while it was live.)
+    served = reg_->revocation_pending(key_);
+  }
+  if (served) {
     // Destructors do not block, and this one cannot wait: say it once, here,
     // where the mistake starts.
     std::fprintf(stderr,

@@ -21,7 +21,12 @@
 /// Policy
 /// ======
 /// * Ranges are widened to `alignment` (a page by default) before they are
-///   registered, so neighbouring small buffers share a registration.
+///   registered, so neighbouring small buffers share a registration. Not for
+///   a backend that registers exact ranges (`Backend::exact_ranges`, as
+///   `registry_backend`, whose key gives a peer every byte of its
+///   registration): there each range is registered as given, and only the
+///   same range hits it, so a lease never exposes a byte beyond what was
+///   acquired.
 /// * No merging: a range that is only partly covered (by one entry, or by two
 ///   adjacent ones) gets a new registration of its own, which may overlap
 ///   existing ones. Overlapping registrations are legal for verbs and keep
@@ -47,6 +52,15 @@
 /// UCX and Open MPI intercept `munmap`/`free` with memory hooks to do this for
 /// the user; gdr does not patch the allocator, and says so here.
 ///
+/// A backend whose registrations peers reach while they are served
+/// (`registry_backend`: a peer's put into the memory runs while the owner's
+/// transport holds an `access_lease`) also needs the wait before the free:
+/// deregistering refuses new accesses but cannot wait for those being
+/// served. Such a backend offers `retire`, and the cache then offers
+/// `co_await invalidate_and_wait(addr, len)`, after which the memory may go.
+/// A plain `invalidate` there does not wait; the registration it destroys
+/// warns on stderr if an access is still being served.
+///
 /// Thread-safety: every member function may be called from any thread; one
 /// mutex guards the cache, and backend calls are made while it is held (they
 /// must not call back into the cache). A lease may be released on any thread.
@@ -62,8 +76,8 @@
 #include <mutex>
 #include <new>
 #include <utility>
-#include <vector>
 
+#include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/memory/space.hpp>
@@ -83,13 +97,28 @@ concept registration_backend = requires(B& b, std::uintptr_t addr, std::size_t l
   { b.deregister(h) } noexcept;
 };
 
+/// A backend that can wait for the uses of a registration to end:
+/// `retire(h)` stops new uses of `h` at once (idempotent) and returns an
+/// awaitable that completes when none is left (`registry_backend`: the
+/// registration's `revoke()`). The cache then offers `invalidate_and_wait`.
+template <class B>
+concept retiring_backend = registration_backend<B> && requires(B& b, typename B::handle_type& h) { b.retire(h); };
+
+namespace detail {
+/// `Backend::exact_ranges` is true: the backend registers ranges as given
+/// (see "Policy" in registration_cache.hpp).
+template <class B>
+inline constexpr bool exact_ranges_v = requires { requires B::exact_ranges; };
+}  // namespace detail
+
 /// Bounds and granularity of a registration cache.
 struct registration_cache_options {
   /// Most registrations held at once (leased and idle).
   std::size_t max_entries = 1024;
   /// Most bytes registered at once (after widening to `alignment`).
   std::size_t max_bytes = std::numeric_limits<std::size_t>::max();
-  /// Registered ranges start and end on multiples of this (a power of two; 1: exact).
+  /// Registered ranges start and end on multiples of this (a power of two; 1:
+  /// exact). Ignored for a backend with `exact_ranges`: those are exact.
   std::size_t alignment = 4096;
 };
 
@@ -141,7 +170,8 @@ class registration_cache {
 
     /// The backend's handle (verbs: the `ibv_mr*` with its lkey and rkey).
     const handle_type& handle() const noexcept { return e_->handle; }
-    /// The registered range, widened to the cache's alignment.
+    /// The registered range: widened to the cache's alignment, or exactly
+    /// the acquired range for a backend with `exact_ranges`.
     std::uintptr_t base() const noexcept { return e_->base; }
     std::size_t length() const noexcept { return e_->end - e_->base; }
     /// Holds a registration (not moved from, not released).
@@ -169,10 +199,12 @@ class registration_cache {
   registration_cache(const registration_cache&) = delete;
   registration_cache& operator=(const registration_cache&) = delete;
 
-  /// Deregisters everything. Leases must all have been released (asserted).
+  /// Deregisters everything. Leases must all have been released and no
+  /// `invalidate_and_wait` may be waiting (asserted).
   ~registration_cache() {
     std::lock_guard lock(mu_);
     assert(leased_ == 0 && "registration_cache destroyed while leases are held");
+    assert(retiring_ == 0 && "registration_cache destroyed while invalidate_and_wait waits");
     for (auto& [range, e] : index_) destroy(e);
     index_.clear();
   }
@@ -182,19 +214,21 @@ class registration_cache {
   ///
   /// Errors: `errc::invalid_argument` (empty range, a range that wraps
   /// around the address space, or one larger than `max_bytes`),
-  /// `errc::busy` (bounds reached and every entry leased), or the backend's
-  /// error. Nothing is cached on failure.
+  /// `errc::busy` (bounds reached and every entry leased),
+  /// `std::errc::not_enough_memory` (no memory for the cache's own entry: the
+  /// new registration is undone), or the backend's error. Nothing is cached
+  /// on failure.
   result<lease> acquire(const void* addr, std::size_t len) noexcept {
     const auto lo = reinterpret_cast<std::uintptr_t>(addr);
     if (len == 0 || len > std::numeric_limits<std::uintptr_t>::max() - lo) return errc::invalid_argument;
     const std::uintptr_t hi = lo + len;
     std::lock_guard lock(mu_);
-    if (entry* e = find_covering(lo, hi)) {
+    if (entry* e = find_hit(lo, hi)) {
       ++stats_.hits;
       return take(e);
     }
     ++stats_.misses;
-    const std::uintptr_t mask = opts_.alignment - 1;
+    const std::uintptr_t mask = exact_ ? 0 : opts_.alignment - 1;
     const std::uintptr_t base = lo & ~mask;
     // Round the end up, unless that would wrap (the last page of the space).
     const std::uintptr_t end = hi > std::numeric_limits<std::uintptr_t>::max() - mask ? hi : (hi + mask) & ~mask;
@@ -203,7 +237,7 @@ class registration_cache {
       ++stats_.failures;
       return errc::invalid_argument;
     }
-    while (index_.size() + zombies_ >= opts_.max_entries || bytes > opts_.max_bytes - bytes_) {
+    while (index_.size() + zombies_ + retiring_ >= opts_.max_entries || bytes > opts_.max_bytes - bytes_) {
       if (lru_tail_ == nullptr) {
         ++stats_.failures;
         return errc::busy;
@@ -222,7 +256,14 @@ class registration_cache {
       ++stats_.failures;
       return make_error_code(std::errc::not_enough_memory);
     }
-    index_.emplace(std::pair{base, end}, e);
+    try {
+      index_.emplace(std::pair{base, end}, e);
+    } catch (...) {  // std::bad_alloc for the map's node
+      backend_.deregister(e->handle);
+      delete e;
+      ++stats_.failures;
+      return make_error_code(std::errc::not_enough_memory);
+    }
     bytes_ += bytes;
     if (bytes > max_len_) max_len_ = bytes;
     return take(e);
@@ -238,7 +279,7 @@ class registration_cache {
   /// Removes every entry overlapping `[addr, addr + len)`: later acquires of
   /// those addresses register anew. Call it before freeing memory (see the
   /// file comment). Idle entries are deregistered now, leased ones when
-  /// released. Returns how many entries were removed.
+  /// released. Returns how many entries were removed. Allocates nothing.
   std::size_t invalidate(const void* addr, std::size_t len) noexcept {
     const auto lo = reinterpret_cast<std::uintptr_t>(addr);
     const std::uintptr_t hi = len > std::numeric_limits<std::uintptr_t>::max() - lo
@@ -246,30 +287,95 @@ class registration_cache {
                                   : lo + len;
     if (hi == lo) return 0;
     std::lock_guard lock(mu_);
-    std::vector<entry*> hit;
+    std::size_t removed = 0;
     // Entries starting more than max_len_ below `lo` end before it.
     auto it = index_.lower_bound({lo > max_len_ ? lo - max_len_ : 0, 0});
-    for (; it != index_.end() && it->first.first < hi; ++it)
-      if (it->first.second > lo) hit.push_back(it->second);
-    for (entry* e : hit) remove(e);
-    stats_.invalidations += hit.size();
-    return hit.size();
+    while (it != index_.end() && it->first.first < hi) {
+      entry* e = it->second;
+      const bool overlaps = it->first.second > lo;
+      ++it;  // before remove() erases e's node (no other iterator is invalidated)
+      if (overlaps) {
+        remove(e);
+        ++removed;
+      }
+    }
+    stats_.invalidations += removed;
+    return removed;
   }
 
-  /// Invalidates every entry.
+  /// `invalidate(addr, len)` for a backend that can wait for the uses of
+  /// its registrations (`retiring_backend`: `registry_backend`, whose
+  /// registrations peers reach while they are served): removes every entry
+  /// overlapping the range, stops new uses of them at once, and completes
+  /// when no use of any is left; only then may the memory be freed.
+  ///
+  /// Returns how many entries were removed; `errc::busy`, removing nothing,
+  /// while a lease on one of them is held (release it first: the memory
+  /// cannot go under it anyway). Await it inside a scheduler's loop (the
+  /// backend's wait resumes there); the cache must outlive the wait. Throws
+  /// `std::bad_alloc` when its frame cannot be allocated.
+  ///
+  /// \code
+  ///   co_await cache.invalidate_and_wait(buf.data(), buf.size_bytes());
+  ///   free(buf);   // no peer's access to it is being served
+  /// \endcode
+  task<result<std::size_t>> invalidate_and_wait(const void* addr, std::size_t len)
+    requires retiring_backend<Backend>
+  {
+    entry* retiring = nullptr;  // taken out of the index, chained through lru_next
+    std::size_t removed = 0;
+    {
+      const auto lo = reinterpret_cast<std::uintptr_t>(addr);
+      const std::uintptr_t hi = len > std::numeric_limits<std::uintptr_t>::max() - lo
+                                    ? std::numeric_limits<std::uintptr_t>::max()
+                                    : lo + len;
+      std::lock_guard lock(mu_);
+      const auto first = index_.lower_bound({lo > max_len_ ? lo - max_len_ : 0, 0});
+      for (auto it = first; it != index_.end() && it->first.first < hi; ++it)
+        if (it->first.second > lo && it->second->refs != 0) co_return errc::busy;
+      for (auto it = first; it != index_.end() && it->first.first < hi;) {
+        entry* e = it->second;
+        if (it->first.second <= lo) {
+          ++it;
+          continue;
+        }
+        it = index_.erase(it);
+        e->indexed = false;
+        lru_unlink(e);  // idle: it was on the idle list
+        e->lru_next = retiring;
+        retiring = e;
+        ++retiring_;
+        ++removed;
+      }
+      stats_.invalidations += removed;
+    }
+    // Every use is stopped first, then each wait: an entry waited for later
+    // serves no new use meanwhile. Outside the lock: no one else reaches
+    // these entries any more (not indexed, not leased).
+    for (entry* e = retiring; e != nullptr; e = e->lru_next) (void)backend_.retire(e->handle);
+    for (entry* e = retiring; e != nullptr; e = e->lru_next) co_await backend_.retire(e->handle);
+    std::lock_guard lock(mu_);
+    while (entry* e = retiring) {
+      retiring = e->lru_next;
+      --retiring_;
+      destroy(e);
+    }
+    co_return removed;
+  }
+
+  /// Invalidates every entry. Allocates nothing.
   void clear() noexcept {
     std::lock_guard lock(mu_);
-    std::vector<entry*> all;
-    all.reserve(index_.size());
-    for (auto& [range, e] : index_) all.push_back(e);
-    for (entry* e : all) remove(e);
-    stats_.invalidations += all.size();
+    std::size_t removed = 0;
+    for (auto it = index_.begin(); it != index_.end(); ++removed) remove((it++)->second);
+    stats_.invalidations += removed;
   }
 
-  /// Registrations held now (cached and invalidated-but-leased).
+  /// Registrations held now (cached, invalidated but leased, and being
+  /// retired by `invalidate_and_wait`).
   std::size_t size() const noexcept {
     std::lock_guard lock(mu_);
-    return index_.size() + zombies_;
+    return index_.size() + zombies_ + retiring_;
   }
   /// Bytes registered now.
   std::size_t registered_bytes() const noexcept {
@@ -285,7 +391,20 @@ class registration_cache {
   Backend& backend() noexcept { return backend_; }
 
  private:
+  static constexpr bool exact_ = detail::exact_ranges_v<Backend>;
+
   // ---- all under mu_ ----
+
+  // The entry a lease on [lo, hi) may use: one covering it, or for exact
+  // ranges, one of exactly it.
+  entry* find_hit(std::uintptr_t lo, std::uintptr_t hi) noexcept {
+    if constexpr (exact_) {
+      auto it = index_.find({lo, hi});
+      return it != index_.end() ? it->second : nullptr;
+    } else {
+      return find_covering(lo, hi);
+    }
+  }
 
   entry* find_covering(std::uintptr_t lo, std::uintptr_t hi) noexcept {
     // Candidates start at or below `lo`; walk down from the last of them.
@@ -361,20 +480,28 @@ class registration_cache {
   std::size_t max_len_ = 0;  // longest entry ever indexed: bounds the backward scans
   std::size_t leased_ = 0;
   std::size_t zombies_ = 0;  // invalidated entries still leased
+  std::size_t retiring_ = 0;  // entries invalidate_and_wait waits for
   registration_cache_stats stats_{};
 };
 
 /// A backend that registers ranges in a `memory_registry` (for transports
 /// whose "registration" is a gdr key, such as loopback and TCP; a verbs
 /// backend registers with `ibv_reg_mr` instead). Handles are
-/// `registration<std::byte, S>`: `handle().describe(rank)` is what a peer needs.
+/// `registration<std::byte, S>`: `handle().describe(rank)` is what a peer
+/// needs, and it reaches exactly the acquired range (`exact_ranges`) with
+/// exactly the access given here. Free memory after
+/// `co_await cache.invalidate_and_wait(...)`, which waits for the peers'
+/// accesses being served (`retire`).
 template <class S = Host>
 class registry_backend {
  public:
   using handle_type = registration<std::byte, S>;
+  /// A key gives a peer every byte of its registration: never widen one.
+  static constexpr bool exact_ranges = true;
 
-  explicit registry_backend(memory_registry& reg = default_registry(), access a = access::read_write) noexcept
-      : reg_(&reg), access_(a) {}
+  /// Registrations in `reg` that allow peers `a`, and nothing more (a cache
+  /// per access, as verbs keeps one per set of access flags).
+  registry_backend(memory_registry& reg, access a) noexcept : reg_(&reg), access_(a) {}
 
   result<handle_type> register_range(std::uintptr_t addr, std::size_t len) noexcept {
     try {
@@ -385,7 +512,12 @@ class registry_backend {
       return make_error_code(std::errc::not_enough_memory);
     }
   }
+  /// Revokes now; the handle's destruction warns if an access is still
+  /// being served (`retire` waits for them instead).
   void deregister(handle_type& h) noexcept { h.revoke(); }
+  /// Revokes now (idempotent); `co_await` the result to wait until no
+  /// access to the registration is being served.
+  revoke_awaitable retire(handle_type& h) noexcept { return h.revoke(); }
 
  private:
   memory_registry* reg_;

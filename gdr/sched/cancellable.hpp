@@ -19,6 +19,10 @@
 /// the timer is cancelled (a cancel the scheduler never drops), and
 /// `on_settled()` runs once the timer's CQE and a posted node, both of which
 /// live in this object, are in. Only then may the operation's memory go.
+/// While the callbacks are registered, a `detail::stop_hook` in this object is
+/// linked into the scheduler: if the scheduler is destroyed first (the
+/// operation will then never settle), it destroys the callbacks, and a stop
+/// requested later calls nothing.
 ///
 /// Derived provides, all called on the loop's thread:
 ///   scheduler& cancel_scheduler() const noexcept;
@@ -49,6 +53,9 @@ class cancellable {
   // Movable only before it is armed (there is nothing to move then).
   cancellable(cancellable&&) noexcept {}
   cancellable& operator=(cancellable&&) = delete;
+  // settle() unlinked the hook already; this keeps the scheduler's list whole
+  // if the memory goes another way (safe after the scheduler dropped it).
+  ~cancellable() { unlink_stop_hook(hook_); }
 
  protected:
   /// The operation is about to start: from now on its own outcome is one
@@ -78,6 +85,13 @@ class cancellable {
     }
     if (user.stop_possible()) stop_user_.emplace(user, canceller{this});
     if (coro.stop_possible()) stop_coro_.emplace(std::move(coro), canceller{this});
+    if (stop_user_ || stop_coro_) {
+      // So that a scheduler destroyed before this settles can destroy the
+      // callbacks (a stop requested later would post to it).
+      hook_.self = this;
+      hook_.drop = &drop_stops;
+      self().cancel_scheduler().link_stop_hook(hook_);
+    }
   }
 
  protected:
@@ -91,6 +105,7 @@ class cancellable {
     // after this no callback can post the node any more.
     stop_user_.reset();
     stop_coro_.reset();
+    unlink_stop_hook(hook_);
     if (posted_.load(std::memory_order_acquire) && !node_ran_) ++pending_;  // the node lives here
     if (timer_armed_ && !timer_fired_) self().cancel_scheduler().cancel(&timer_);
     release();
@@ -110,6 +125,17 @@ class cancellable {
   struct timer_node : operation {
     cancellable* self = nullptr;
   };
+  struct hook_node : stop_hook {
+    cancellable* self = nullptr;
+  };
+
+  // The scheduler is being destroyed and this will never settle: no stop
+  // request may reach it any more (see `detail::stop_hook`).
+  static void drop_stops(stop_hook* h) noexcept {
+    cancellable* c = static_cast<hook_node*>(h)->self;
+    c->stop_user_.reset();
+    c->stop_coro_.reset();
+  }
 
   Derived& self() noexcept { return static_cast<Derived&>(*this); }
 
@@ -166,6 +192,7 @@ class cancellable {
   std::error_code reason_{errc::cancelled};  // what a posted stop reports
   stop_node node_{};
   timer_node timer_{};
+  hook_node hook_{};
   __kernel_timespec ts_{};
   int pending_ = 0;  // events still to come: the operation's own outcome, the timer, a posted stop
   bool timer_armed_ = false;

@@ -22,13 +22,23 @@
 /// endpoints while the loop busy-polls) are `poller`s, polled once per
 /// iteration after the CQ.
 ///
-/// One iteration (`run_once`): send the cancels kept for want of an SQE (see
-/// "Cancellation"); drain the remote queue; reap every available
-/// CQE (copied out, CQ advanced, then dispatched, so a completion handler may
-/// prepare new SQEs freely); poll each poller; then, if nothing did work and
-/// the mode is `sleep`, submit and block in `io_uring_enter` until a CQE
-/// arrives or the shortest poller bound elapses; otherwise submit without
-/// waiting.
+/// One iteration (`run_once`): send what was kept for want of an SQE (the
+/// eventfd read, cancels: see "Cancellation"); drain the remote queue; reap
+/// every available CQE (copied out, CQ advanced, then dispatched, so a
+/// completion handler may prepare new SQEs freely); poll each poller; then,
+/// if nothing did work and the mode is `sleep`, submit and block in
+/// `io_uring_enter` until a CQE arrives or the shortest poller bound elapses;
+/// otherwise submit without waiting.
+///
+/// Bounded sleeps on kernels before 5.11. The bound goes to `io_uring_enter`
+/// itself where the kernel has `IORING_FEAT_EXT_ARG` (Linux 5.11). Without it,
+/// liburing's `io_uring_submit_and_wait_timeout` queues a timeout SQE of its
+/// own, tagged `LIBURING_UDATA_TIMEOUT` (all ones), and consumes its CQE only
+/// when that CQE is the first one it finds; behind another completion it is
+/// reaped here, and `dispatch` drops it (it is no operation, and all ones would
+/// otherwise read as a MSG_RING completion). `scheduler_options::ext_arg` =
+/// false (or `GDR_MASK_EXT_ARG=1` in the environment) makes a scheduler take
+/// that path on any kernel; the scheduler's tests run a second time so.
 ///
 /// Sleeping and waking. In `busy_poll` mode the loop never blocks (lowest
 /// latency, one core spent). In `sleep` mode it blocks in the kernel. Another
@@ -38,6 +48,11 @@
 /// ring always has a read pending on. The "asleep" flag and the queue are both
 /// sequentially consistent, so a push racing with the loop going to sleep is
 /// seen by one side or the other (Dekker).
+///
+/// The eventfd read is armed again from its own completion. If no SQE can be
+/// had then (the SQ is full and the kernel refuses to take it), it is kept, as
+/// a cancel is (below), and armed at the start of the next iteration; until
+/// it is, the loop does not sleep, since an eventfd write would not wake it.
 ///
 /// A wake-up is never lost to MSG_RING. Whether the kernel has it (Linux 5.18)
 /// is probed once per process; without it, or with
@@ -56,7 +71,11 @@
 /// the request waits in a pending list and goes into the SQ at the start of the
 /// next iteration; a stopped operation never waits forever for a cancel that
 /// was dropped. A pending cancel whose operation completes first is forgotten,
-/// so it can never reach a new operation at the same address.
+/// so it can never reach a new operation at the same address. A cancel asked
+/// for while its operation's final CQE waits, not yet dispatched, in the batch
+/// being dispatched is not kept, for the same reason; CQEs already dispatched
+/// do not count (their operation may have been followed by a new one at the
+/// same address, which the cancel is for).
 ///
 /// Ownership. The scheduler owns the ring, the eventfd (shared with wake-up
 /// messages in flight, above) and the remote queue's head. Operations are owned
@@ -75,7 +94,12 @@
 /// What is still in flight after the bound (an operation nothing will
 /// complete: a coroutine suspended on a pipe nobody writes, an endpoint still
 /// alive) is reported in one line on stderr and abandoned: its coroutine never
-/// resumes and what it owns is leaked. Objects bound to a scheduler
+/// resumes and what it owns is leaked. The stop callbacks of operations still
+/// pending then (abandoned, or waiting for something other than a CQE) are
+/// destroyed, through the `detail::stop_hook` each links into the scheduler
+/// while its callbacks are registered: a stop requested later (a
+/// `task_scope::request_stop` on the way out) calls nothing, where it would
+/// post to the freed scheduler. Objects bound to a scheduler
 /// (endpoints, listeners' accepts, pollers) must be destroyed before it; an
 /// endpoint that outlives its scheduler is leaked when destroyed (its
 /// connection waits for a completion that cannot come) and must not be used.
@@ -92,6 +116,7 @@
 #include <coroutine>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <new>
 #include <optional>
 #include <stop_token>
@@ -117,6 +142,17 @@ enum class run_mode {
   sleep,      ///< block in io_uring_enter until a completion or a poller bound
 };
 
+namespace detail {
+/// `GDR_MASK_EXT_ARG=1` in the environment (see `scheduler_options::ext_arg`).
+inline bool ext_arg_masked_by_env() noexcept {
+  static const bool masked = [] {
+    const char* v = std::getenv("GDR_MASK_EXT_ARG");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return masked;
+}
+}  // namespace detail
+
 /// Construction options of a scheduler.
 struct scheduler_options {
   unsigned sq_entries = 256;          ///< io_uring submission queue size
@@ -129,6 +165,13 @@ struct scheduler_options {
   /// How long the destructor runs the loop to finish operations still in
   /// flight before it gives up on them (see "Teardown" in the file comment).
   std::chrono::milliseconds teardown_timeout{5000};
+  /// Bounded sleeps pass their bound to `io_uring_enter` when the kernel has
+  /// `IORING_FEAT_EXT_ARG` (Linux 5.11). False: the scheduler behaves as on an
+  /// older kernel (liburing bounds the sleep with a timeout SQE; see "Bounded
+  /// sleeps on kernels before 5.11" in the file comment), for tests of that
+  /// path. The default is false when the environment has `GDR_MASK_EXT_ARG=1`
+  /// (read once per process), so a whole test binary can run that way.
+  bool ext_arg = !detail::ext_arg_masked_by_env();
 };
 
 /// Counters a scheduler keeps; cheap, for tests and benchmarks.
@@ -140,6 +183,7 @@ struct scheduler_stats {
   std::uint64_t remote = 0;           ///< remote_work nodes run
   std::uint64_t msg_ring_failed = 0;  ///< wake-up messages this loop sent that failed (sent again by eventfd)
   std::uint64_t cancels_deferred = 0; ///< cancels that found no free SQE and waited in the pending list
+  std::uint64_t wake_reads_deferred = 0;  ///< eventfd reads that found no free SQE and were armed an iteration later
 };
 
 class scheduler;
@@ -192,6 +236,29 @@ inline bool msg_ring_supported(io_uring& ring) noexcept {
   return supported;
 }
 
+/// The stop callbacks of one pending operation, as its scheduler knows them.
+/// An operation whose stop callbacks post to its scheduler (`uring_awaitable`,
+/// `cancellable`) links a hook into it while they are registered
+/// (`scheduler::link_stop_hook`) and unlinks it when it destroys them
+/// (`unlink_stop_hook`). A scheduler being destroyed calls `drop` on every
+/// hook still linked, after unlinking it: `drop` destroys the operation's
+/// callbacks (which waits for one running on another thread), so no later
+/// stop request reaches the dead scheduler. Loop thread only.
+struct stop_hook {
+  void (*drop)(stop_hook* self) noexcept = nullptr;
+  stop_hook* prev = nullptr;  // null: not linked
+  stop_hook* next = nullptr;
+};
+
+/// Takes `h` off its scheduler's list if it is on one; touches only the
+/// neighbours, so it is safe after the scheduler dropped `h` and is gone.
+inline void unlink_stop_hook(stop_hook& h) noexcept {
+  if (h.prev == nullptr) return;
+  h.prev->next = h.next;
+  h.next->prev = h.prev;
+  h.prev = h.next = nullptr;
+}
+
 struct scheduler_testing;
 }  // namespace detail
 
@@ -215,6 +282,10 @@ class scheduler {
       rc = io_uring_queue_init_params(opts.sq_entries, &ring_, &p);
     }
     if (rc < 0) throw error(errno_code(-rc), "io_uring_queue_init");
+    // liburing reads the features the kernel reported from the ring, in the
+    // wait with a timeout and in its CQ peeks: clearing the bit here is what
+    // an older kernel looks like to both.
+    if (!opts.ext_arg) ring_.features &= ~IORING_FEAT_EXT_ARG;
     assert(!(ring_.flags & (IORING_SETUP_SQE128 | IORING_SETUP_SQPOLL)) && "get_sqe assumes neither");
     tsan_ring_handoff(true);
     // EFD_NONBLOCK matters: a blocking eventfd sends io_uring's read to a kernel
@@ -237,6 +308,7 @@ class scheduler {
       throw;
     }
     channel_->fd = fd;
+    stop_hooks_.prev = stop_hooks_.next = &stop_hooks_;
     if (opts.msg_ring_wakeups && detail::msg_ring_supported(ring_)) msg_ring_fd_ = ring_.ring_fd;
     wake_op_.self = this;
     wake_op_.complete = &wake_read_done;
@@ -254,6 +326,7 @@ class scheduler {
   /// must have stopped posting to it, as for any object being destroyed.
   ~scheduler() {
     finish_inflight();
+    drop_stop_hooks();
     tsan_ring_handoff(false);
     io_uring_queue_exit(&ring_);
     // Wake-up messages still in flight to this ring keep the eventfd open
@@ -320,6 +393,18 @@ class scheduler {
 
   /// Cancels requested without a free SQE, waiting for the next iteration.
   std::size_t pending_cancels() const noexcept { return pending_cancels_.size(); }
+
+  /// Links the hook of an operation whose stop callbacks post to this
+  /// scheduler, for as long as they are registered (see `detail::stop_hook`;
+  /// `detail::unlink_stop_hook` ends it). `h.drop` must be set. Loop thread
+  /// only.
+  void link_stop_hook(detail::stop_hook& h) noexcept {
+    assert(h.drop != nullptr && h.prev == nullptr);
+    h.prev = &stop_hooks_;
+    h.next = stop_hooks_.next;
+    stop_hooks_.next->prev = &h;
+    stop_hooks_.next = &h;
+  }
 
   // ---------------------------------------------------------------- pollers
 
@@ -453,11 +538,20 @@ class scheduler {
     std::uint32_t flags;
   };
 
+  // A batch of CQEs being dispatched by reap(), in its frame; `outer` is the
+  // batch of the loop whose handler runs this one's loop, if any.
+  struct batch_frame {
+    const completion* cqes;
+    unsigned next;  // the first CQE not dispatched yet
+    unsigned size;
+    const batch_frame* outer;
+  };
+
   // run_once, with sleeps no longer than `cap` (the destructor's deadline).
   bool iterate(bool may_block, std::chrono::nanoseconds cap) {
     binding bind(this);
     ++stats_.iterations;
-    if (GDR_UNLIKELY(!pending_cancels_.empty())) flush_cancels();
+    if (GDR_UNLIKELY(!pending_cancels_.empty() || !wake_armed_)) flush_kept();
     bool worked = drain_remote();
     worked |= reap();
     auto bound = cap;
@@ -471,7 +565,9 @@ class scheduler {
       if (s.sleep_bound < bound) bound = s.sleep_bound;
     }
     worked |= changed != pollers_changed_;
-    if (!worked && may_block && mode_ == run_mode::sleep && bound.count() > 0) {
+    // Without its eventfd read the loop would sleep through posts: it spins
+    // until flush_kept has armed the read again.
+    if (!worked && may_block && mode_ == run_mode::sleep && bound.count() > 0 && wake_armed_) {
       sleep(bound);
     } else {
       submit();
@@ -502,19 +598,36 @@ class scheduler {
                  inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
   }
 
+  // The destructor, after finish_inflight: the operations still pending will
+  // never complete here; their stop callbacks must not reach this scheduler
+  // (see "Teardown" in the file comment).
+  void drop_stop_hooks() noexcept {
+    while (stop_hooks_.next != &stop_hooks_) {
+      detail::stop_hook* h = stop_hooks_.next;
+      // Unlinked first: the operation's own unlink_stop_hook, if it ever
+      // runs, must not reach this scheduler's list.
+      detail::unlink_stop_hook(*h);
+      h->drop(h);
+    }
+  }
+
   void prep_cancel(io_uring_sqe* sqe, std::uint64_t target) noexcept {
     io_uring_prep_cancel64(sqe, target, 0);
     io_uring_sqe_set_data64(sqe, detail::ignore_tag);
   }
 
-  // No SQE for a cancel (the kernel refused the SQ): keep it for flush_cancels.
+  // No SQE for a cancel (the kernel refused the SQ): keep it for flush_kept.
   [[gnu::noinline]] void defer_cancel(std::uint64_t target) noexcept {
-    // Its operation's final CQE may be in the batch being dispatched (a
+    // Its operation's final CQE may wait in the batch being dispatched (a
     // handler earlier in it asked for the cancel): then it is finishing
     // anyway, and a cancel sent later could reach a new operation at the
-    // same address.
-    for (std::size_t i = 0; i < batch_size_; ++i)
-      if (batch_[i].user_data == target && !(batch_[i].flags & IORING_CQE_F_MORE)) return;
+    // same address. Only CQEs not dispatched yet count: one already
+    // dispatched (the handler's own, or an earlier one) ended an operation
+    // whose address may now hold the new one this cancel is for. Handlers
+    // may run a loop, so the batches of the loops below count too.
+    for (const batch_frame* b = batch_; b != nullptr; b = b->outer)
+      for (unsigned i = b->next; i < b->size; ++i)
+        if (b->cqes[i].user_data == target && !(b->cqes[i].flags & IORING_CQE_F_MORE)) return;
     ++stats_.cancels_deferred;
     try {
       pending_cancels_.push_back(target);  // no allocation within the reserved 16
@@ -533,8 +646,10 @@ class scheduler {
     }
   }
 
-  // Start of an iteration: the pending cancels go into the SQ, as many as fit.
-  [[gnu::noinline]] void flush_cancels() noexcept {
+  // Start of an iteration: the eventfd read, if it is not armed, and the
+  // pending cancels go into the SQ, as many as fit.
+  [[gnu::noinline]] void flush_kept() noexcept {
+    if (!wake_armed_) arm_wake_read();
     std::size_t sent = 0;
     for (; sent < pending_cancels_.size(); ++sent) {
       io_uring_sqe* sqe = get_sqe();
@@ -613,10 +728,19 @@ class scheduler {
 
   void arm_wake_read() noexcept {
     io_uring_sqe* sqe = get_sqe();
-    if (sqe == nullptr) return;  // unreachable: only called with a free SQ slot
+    if (GDR_UNLIKELY(sqe == nullptr)) {
+      // The SQ is full and the kernel refuses it: armed by flush_kept at the
+      // start of the next iteration (see "The eventfd read is armed again" in
+      // the file comment). A wake-up written meanwhile stays in the eventfd's
+      // count, and the read armed later returns it at once.
+      if (wake_armed_) ++stats_.wake_reads_deferred;
+      wake_armed_ = false;
+      return;
+    }
     io_uring_prep_read(sqe, channel_->fd, &wake_buf_, sizeof wake_buf_, 0);
     // Not counted in inflight_: it is the loop's own, always pending.
     io_uring_sqe_set_data(sqe, static_cast<operation*>(&wake_op_));
+    wake_armed_ = true;
   }
 
   bool drain_remote() noexcept {
@@ -666,12 +790,15 @@ class scheduler {
       // Advance before dispatching: handlers may submit and even wait.
       io_uring_cq_advance(&ring_, n);
       if (GDR_UNLIKELY(!pending_cancels_.empty())) forget_cancels(done, n);
-      // What defer_cancel looks at (restored: a handler may run a loop).
-      const completion* outer = std::exchange(batch_, done);
-      unsigned outer_size = std::exchange(batch_size_, n);
-      for (unsigned i = 0; i < n; ++i) dispatch(done[i].user_data, done[i].res, done[i].flags);
-      batch_ = outer;
-      batch_size_ = outer_size;
+      // What defer_cancel looks at: the CQEs after the one being dispatched
+      // (restored after: a handler may run a loop).
+      batch_frame frame{done, 0, n, batch_};
+      batch_ = &frame;
+      for (unsigned i = 0; i < n; ++i) {
+        frame.next = i + 1;
+        dispatch(done[i].user_data, done[i].res, done[i].flags);
+      }
+      batch_ = frame.outer;
       worked = true;
       if (n < batch) break;
     }
@@ -680,8 +807,12 @@ class scheduler {
 
   void dispatch(std::uint64_t user_data, int res, std::uint32_t flags) noexcept {
     static_assert(detail::ignore_tag == 0 && detail::wake_tag == 1 && alignof(operation) > detail::message_bit);
+    static_assert(LIBURING_UDATA_TIMEOUT & detail::message_bit, "liburing's timeout tag is tested on the odd branch");
     if (GDR_UNLIKELY(user_data <= detail::wake_tag)) return;  // not an operation
     if (GDR_UNLIKELY(user_data & detail::message_bit)) {
+      // liburing's own timeout of a bounded sleep, without IORING_FEAT_EXT_ARG
+      // (see "Bounded sleeps on kernels before 5.11"): not ours to complete.
+      if (user_data == LIBURING_UDATA_TIMEOUT) return;
       message_done(user_data, res);
       return;
     }
@@ -727,8 +858,11 @@ class scheduler {
   std::size_t inflight_ = 0;
   std::size_t messages_inflight_ = 0;  // MSG_RING wake-ups sent from this ring, not reaped yet
   std::vector<std::uint64_t> pending_cancels_;  // user_data of operations to cancel
-  const completion* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)
-  unsigned batch_size_ = 0;
+  const batch_frame* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)
+  bool wake_armed_ = false;  // the eventfd read is in the SQ or the kernel
+  // The stop hooks of pending operations: a circular list through this
+  // sentinel (set up in the constructor; the scheduler does not move).
+  detail::stop_hook stop_hooks_{};
   std::vector<poller*> pollers_;
   std::uint64_t pollers_changed_ = 0;  // bumped by add_poller and remove_poller
   // Written when a poller is constructed or destroyed, read on every await

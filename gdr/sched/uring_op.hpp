@@ -8,7 +8,9 @@
 /// buffers and registrations it names stay alive until the kernel is done with
 /// them (DESIGN-NOTES: "a stop token stops the waiting"). A stop request from
 /// another thread is posted to the scheduler's thread first, because only that
-/// thread may touch the ring.
+/// thread may touch the ring. A scheduler destroyed while the operation is
+/// still in flight (it gave up on it: see "Teardown" in scheduler.hpp)
+/// destroys the stop callback, so a stop requested later calls nothing.
 ///
 /// Errors: `co_await op` throws `gdr::error`; `co_await std::move(op).as_result()`
 /// (or `gdr::try_await(op)`) returns `gdr::result<T>` instead.
@@ -49,6 +51,11 @@ class uring_awaitable : public operation {
   // Movable only before it is awaited (it is then just its parameters).
   uring_awaitable(uring_awaitable&& o) noexcept : operation(o), sched_(o.sched_) {}
   uring_awaitable& operator=(uring_awaitable&&) = delete;
+  // The completion, or a dying scheduler, unlinked the stop hook already;
+  // this keeps the scheduler's list whole if the frame goes another way.
+  ~uring_awaitable() {
+    if (GDR_UNLIKELY(stop_.has_value())) detail::unlink_stop_hook(cancel_);
+  }
 
   bool await_ready() const noexcept { return false; }
 
@@ -76,6 +83,13 @@ class uring_awaitable : public operation {
       // operations never have a stoppable token, and skipping its stores is
       // measurable per NOP (benchmarks/RESULTS.md, (a)).
       ::new (static_cast<void*>(&cancel_)) cancel_state{};
+      // All set before the callback is registered: from then on it may run
+      // on another thread.
+      cancel_.work.self = this;
+      // So that a scheduler destroyed before this completes can destroy the
+      // callback (a stop requested later would post to it).
+      cancel_.drop = &drop_stop;
+      sched_->link_stop_hook(cancel_);
       stop_.emplace(st, canceller{this});
     }
     return true;
@@ -111,7 +125,6 @@ class uring_awaitable : public operation {
     }
     // Another thread: only the loop's thread may touch the ring.
     cancel_.posted.store(true, std::memory_order_release);
-    cancel_.work.self = this;
     cancel_.work.run = [](remote_work* w) noexcept {
       uring_awaitable* self = static_cast<cancel_node*>(w)->self;
       if (!self->cancel_.completed) self->sched_->cancel(self);
@@ -135,6 +148,7 @@ class uring_awaitable : public operation {
     cancel_.completed = true;
     // Destroying the callback waits for one running on another thread.
     stop_.reset();
+    detail::unlink_stop_hook(cancel_);
     // A cancel request posted from another thread must run before this frame
     // can go away: its node lives here. We are on the loop's thread, so run the
     // posted work now; the node sees `cancel_.completed` and does nothing. (Without a
@@ -145,16 +159,21 @@ class uring_awaitable : public operation {
   }
 
 
+  // The scheduler is being destroyed and this will never complete: no stop
+  // request may reach it any more (see `detail::stop_hook`).
+  static void drop_stop(detail::stop_hook* h) noexcept { static_cast<cancel_state*>(h)->work.self->stop_.reset(); }
+
   scheduler* sched_;
   std::coroutine_handle<> waiter_{};
   std::optional<std::stop_callback<canceller>> stop_{};
   struct cancel_node : remote_work {
     uring_awaitable* self = nullptr;
   };
-  // What a stop request from another thread needs. Trivially destructible;
-  // constructed in await_suspend only when a stop callback is registered,
-  // and read only when one was.
-  struct cancel_state {
+  // What a registered stop callback needs: the hook that lets a dying
+  // scheduler destroy it, and what a stop request from another thread posts.
+  // Trivially destructible; constructed in await_suspend only when a stop
+  // callback is registered, and read only when one was.
+  struct cancel_state : detail::stop_hook {
     cancel_node work{};
     std::atomic<bool> posted{false};
     std::atomic<bool> done{false};

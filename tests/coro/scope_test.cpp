@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <new>
 #include <stdexcept>
 #include <stop_token>
 #include <thread>
@@ -12,6 +13,7 @@
 #include <gdr/sched/timer.hpp>
 
 #include "tests/coro/coro_test_support.hpp"
+#include "tests/support/alloc_failure.hpp"
 
 using namespace std::chrono_literals;
 using coro_test::ms_since;
@@ -75,6 +77,38 @@ TEST_CASE("a scope joins every task it spawned") {
   }());
   CHECK(n == 200);
   CHECK(s.inflight() == 0);
+}
+
+TEST_CASE("a spawn whose frame cannot be allocated throws and leaves the scope as it was") {
+  // Before the fix the task was counted before its wrapper's frame was
+  // allocated: the count stayed up, join() never completed, and
+  // ~task_scope asserted.
+  coro_test::watchdog wd(30);
+  gdr::scheduler s;
+  int before = 0, after = 0;
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    gdr::task_scope scope;
+    bool threw = false;
+    long failed = 0;
+    {
+      gdr::task<void> t = steps(before, after);  // its own frame, allocated here
+      gdr_test_support::failing_allocations oom;
+      try {
+        scope.spawn(std::move(t));
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      failed = oom.failed();
+    }
+    CHECK(threw);
+    CHECK(failed == 1);
+    CHECK(before == 0);  // never ran
+    REQUIRE(scope.active() == 0);  // (before: 1, for a task that never ran)
+    co_await scope.join();         // completes at once
+    scope.spawn(steps(before, after));  // the scope still works
+    co_await scope.join();
+    CHECK(after == 1);
+  }());
 }
 
 TEST_CASE("joining an empty scope completes at once") {

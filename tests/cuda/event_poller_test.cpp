@@ -20,6 +20,7 @@
 #include <gdr/sched/timer.hpp>
 
 #include "tests/cuda/cuda_test_support.hpp"
+#include "tests/support/alloc_failure.hpp"
 #include "tests/support/skip.hpp"
 
 using namespace std::chrono_literals;
@@ -47,6 +48,37 @@ TEST_CASE("an event poller attaches to one scheduler and detaches when destroyed
   gdr::cuda::event_poller a(sched), b(other);
   CHECK(gdr::cuda::event_poller::of(sched) == &a);
   CHECK(gdr::cuda::event_poller::of(other) == &b);
+}
+
+TEST_CASE("without memory for a new stream's FIFO, enqueue and copy fail with not_enough_memory before any CUDA call") {
+  // Runs anywhere: the FIFO's room is found before the first CUDA call.
+  // Before the fix the FIFO was added after the event was recorded (or the
+  // copy queued), inside noexcept functions: std::terminate on a GPU, and
+  // here the CUDA error of the missing driver instead of this one.
+  gdr::scheduler sched;
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::event_operation op;
+  op.complete = [](gdr::operation*, int, std::uint32_t) noexcept {};
+  struct done_probe : gdr::copy_engine::completion {
+    done_probe() {
+      done = [](gdr::copy_engine::completion*, std::error_code) noexcept {};
+    }
+  } c;
+  unsigned char host[8] = {}, device_stand_in[8] = {};
+  std::error_code enqueued, copied;
+  long failed = 0;
+  {
+    gdr_test_support::failing_allocations oom;
+    enqueued = events.enqueue(nullptr, 0, &op);
+    copied = events.copy(gdr::copy_engine::direction::to_host, 0, host, device_stand_in, sizeof host, {}, &c);
+    failed = oom.failed();
+  }
+  CHECK(enqueued == std::errc::not_enough_memory);
+  CHECK(copied == std::errc::not_enough_memory);
+  CHECK(failed == 2);
+  CHECK(events.pending() == 0);
+  CHECK(events.stats().enqueued == 0);
+  CHECK(events.stats().events_created == 0);
 }
 
 namespace {
@@ -241,4 +273,87 @@ TEST_CASE("a not-ready query leaves no last error for unrelated code to find") {
   (void)events.poll();
   CHECK(cudaPeekAtLastError() == cudaSuccess);
   while (events.pending() != 0) sched.run_once();
+}
+
+namespace {
+
+// A stream awaitable whose issue() says it queued work without doing so, and
+// whose drain_issued() records when it runs: the base's control flow after a
+// failed event record, on any machine.
+struct seam_awaitable : gdr::cuda::detail::stream_awaitable<seam_awaitable> {
+  using stream_awaitable::stream_awaitable;
+  std::string* log = nullptr;
+  std::error_code issue() noexcept {
+    *log += "issue ";
+    return {};
+  }
+  void drain_issued() noexcept { *log += "drain "; }
+};
+
+// A GPU that does not exist: the poller cannot record an event for it.
+constexpr int no_such_gpu = 1 << 20;
+
+gdr::task<> await_seam(std::string& log, gdr::result<void>& r) {
+  seam_awaitable a(nullptr, no_such_gpu);
+  a.log = &log;
+  r = co_await std::move(a).as_result();
+  log += "resumed";
+}
+
+}  // namespace
+
+TEST_CASE("work queued before a failed event record is waited for before the coroutine resumes") {
+  // Runs anywhere. Before the fix the coroutine resumed with the error at
+  // once, free to release buffers a queued copy was still using.
+  gdr::scheduler sched;
+  gdr::cuda::event_poller events(sched);
+  std::string log;
+  gdr::result<void> r;
+  gdr::sync_wait(sched, await_seam(log, r));
+  CHECK(log == "issue drain resumed");
+  CHECK(!r);
+  CHECK(events.pending() == 0);
+}
+
+namespace {
+
+// Queues real copies on `s`, for an event the poller cannot record.
+struct queued_copies : gdr::cuda::detail::stream_awaitable<queued_copies> {
+  using stream_awaitable::stream_awaitable;
+  gdr_test::busy_work* work = nullptr;
+  const gdr::cuda::stream* on = nullptr;
+  std::error_code issue() noexcept {
+    try {
+      work->queue(*on, 16);
+    } catch (const gdr::error& e) {
+      return e.code();
+    }
+    return {};
+  }
+};
+
+gdr::task<> await_copies(queued_copies a, const gdr::cuda::stream& s, gdr::result<void>& r, bool& idle_at_resume) {
+  r = co_await std::move(a).as_result();
+  idle_at_resume = s.query().value();
+}
+
+}  // namespace
+
+TEST_CASE("copies queued before a failed event record have finished when the coroutine resumes") {
+  // What only a GPU shows: the base's host wait is a real cudaStreamSynchronize.
+  // The awaitable's stream is a real one, its device one that does not
+  // exist, so the event fails after 16 copies of 256 MiB (~4 ms) are queued.
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  gdr::scheduler sched;
+  gdr::cuda::event_poller events(sched);
+  gdr::cuda::stream s(0);
+  gdr_test::busy_work work;
+  queued_copies a(s.get(), no_such_gpu);
+  a.work = &work;
+  a.on = &s;
+  gdr::result<void> r;
+  bool idle = false;
+  gdr::sync_wait(sched, await_copies(std::move(a), s, r, idle));
+  CHECK(!r);
+  CHECK(idle);  // before the fix: the copies were still running
 }

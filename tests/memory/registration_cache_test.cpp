@@ -1,17 +1,28 @@
 // gdr/memory/registration_cache.hpp: hits, misses, alignment, no merging,
-// LRU eviction within bounds, invalidation, failures, threads.
+// LRU eviction within bounds, invalidation, failures (also out of memory),
+// threads.
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include <gdr/coro/scope.hpp>
+#include <gdr/coro/sync_wait.hpp>
 #include <gdr/memory/registration_cache.hpp>
+
+#include "tests/support/alloc_failure.hpp"
+#include "tests/support/capture_stderr.hpp"
+#include "tests/support/watchdog.hpp"
 
 using gdr::errc;
 
@@ -54,6 +65,8 @@ struct fake_backend {
 
 static_assert(gdr::registration_backend<fake_backend>);
 static_assert(gdr::registration_backend<gdr::registry_backend<gdr::Host>>);
+static_assert(gdr::retiring_backend<gdr::registry_backend<gdr::Host>>);
+static_assert(!gdr::retiring_backend<fake_backend>);
 
 const void* at(std::uintptr_t a) { return reinterpret_cast<const void*>(a); }
 
@@ -248,7 +261,7 @@ TEST_CASE("clear deregisters every idle entry and the destructor the rest") {
 TEST_CASE("the registry backend caches gdr registrations that resolve for peers") {
   gdr::memory_registry reg;
   std::vector<std::byte> mem(10000);
-  gdr::registration_cache cache(gdr::registry_backend<gdr::Host>(reg), opts(8, std::numeric_limits<std::size_t>::max(), 1));
+  gdr::registration_cache cache(gdr::registry_backend<gdr::Host>(reg, gdr::access::write), opts(8));
   auto lease = cache.acquire(gdr::host_view(mem).subview(100, 200)).value();
   auto rv = lease.handle().describe(3);
   CHECK(rv.size() == 200);
@@ -285,4 +298,179 @@ TEST_CASE("concurrent acquire, release and invalidate keep the cache consistent"
   }
   CHECK(st.live.empty());
   CHECK(st.registrations == st.deregistrations);
+}
+
+namespace {
+
+// A backend that allocates nothing, for tests that make allocations fail.
+struct counting_backend {
+  using handle_type = int;
+  int* registered;
+  int* deregistered;
+  gdr::result<int> register_range(std::uintptr_t, std::size_t) noexcept { return ++*registered; }
+  void deregister(int&) noexcept { ++*deregistered; }
+};
+
+}  // namespace
+
+TEST_CASE("out of memory for its index, acquire fails with not_enough_memory and undoes the registration") {
+  // Before the fix the index's allocation threw inside noexcept acquire():
+  // std::terminate.
+  int registered = 0, deregistered = 0;
+  gdr::registration_cache<counting_backend> cache(counting_backend{&registered, &deregistered});
+  gdr::result<gdr::registration_cache<counting_backend>::lease> r = gdr::errc::busy;
+  long failed = 0;
+  {
+    gdr_test_support::failing_allocations oom(1);  // the entry, not the index's node
+    r = cache.acquire(at(0x10000), 8);
+    failed = oom.failed();
+  }
+  CHECK(failed == 1);
+  REQUIRE(!r);
+  CHECK(r.error() == std::errc::not_enough_memory);
+  CHECK(registered == 1);
+  CHECK(deregistered == 1);  // undone
+  CHECK(cache.size() == 0);
+  CHECK(cache.registered_bytes() == 0);
+  CHECK(cache.stats().failures == 1);
+  CHECK(cache.acquire(at(0x10000), 8).has_value());  // and the cache still works
+}
+
+TEST_CASE("invalidate and clear allocate nothing, so they work out of memory") {
+  // Before the fix both collected the entries in a vector first: an
+  // allocation failure inside noexcept functions, std::terminate.
+  int registered = 0, deregistered = 0;
+  gdr::registration_cache<counting_backend> cache(counting_backend{&registered, &deregistered});
+  for (std::uintptr_t p : {0x10000u, 0x11000u, 0x12000u, 0x20000u, 0x30000u}) (void)cache.acquire(at(p), 8).value();
+  auto held = cache.acquire(at(0x20000), 8).value();
+  std::size_t invalidated = 0;
+  long failed = 0;
+  {
+    gdr_test_support::failing_allocations oom;
+    invalidated = cache.invalidate(at(0x10000), 0x11000);  // [0x10000, 0x21000): four entries
+    failed = oom.failed();
+  }
+  CHECK(failed == 0);
+  CHECK(invalidated == 4);
+  CHECK(deregistered == 3);  // the held one at its release
+  {
+    gdr_test_support::failing_allocations oom;
+    cache.clear();
+    failed = oom.failed();
+  }
+  CHECK(failed == 0);
+  CHECK(deregistered == 4);
+  held.release();
+  CHECK(deregistered == 5);
+  CHECK(cache.size() == 0);
+  CHECK(cache.stats().invalidations == 5);
+}
+
+namespace {
+
+std::uint64_t address_of(const std::byte* p) { return reinterpret_cast<std::uint64_t>(p); }
+
+using registry_cache = gdr::registration_cache<gdr::registry_backend<gdr::Host>>;
+
+gdr::task<> invalidate_and_wait_into(registry_cache& cache, const std::byte* p, std::size_t n,
+                                     gdr::result<std::size_t>& out, bool& done) {
+  out = co_await cache.invalidate_and_wait(p, n);
+  done = true;
+}
+
+}  // namespace
+
+TEST_CASE("the registry backend exposes exactly the acquired range, with the access asked for") {
+  // A peer's put of the whole remote view, served as a transport serves it.
+  // Before the fix the key covered the page around the 100 bytes (ASan:
+  // heap-buffer-overflow at the view's start), and allowed reads too.
+  gdr::memory_registry reg;
+  auto mem = std::make_unique<std::byte[]>(100);  // on the heap: ASan sees the bytes around it
+  const std::uint64_t at100 = address_of(mem.get());
+  registry_cache cache(gdr::registry_backend<gdr::Host>(reg, gdr::access::write));  // default options: pages
+  auto lease = cache.acquire(mem.get(), 100).value();
+  const auto rv = lease.handle().describe(0);
+  {
+    auto put = reg.acquire(rv.address(), rv.size_bytes(), rv.key(), gdr::access::write);
+    REQUIRE(put.has_value());
+    std::memset(put->data(), 0x5a, put->size());
+  }
+  CHECK(rv.address() == at100);
+  CHECK(rv.size_bytes() == 100);
+  CHECK(lease.base() == at100);
+  CHECK(lease.length() == 100);
+  CHECK_FALSE(reg.acquire(at100 - 1, 1, rv.key(), gdr::access::write));    // a byte before
+  CHECK_FALSE(reg.acquire(at100 + 100, 1, rv.key(), gdr::access::write));  // a byte after
+  CHECK_FALSE(reg.acquire(at100, 1, rv.key(), gdr::access::read));         // not asked for
+  // A part of the range is a range of its own: it does not lend the key of
+  // the whole (which would expose more than was acquired).
+  auto part = cache.acquire(mem.get() + 10, 20).value();
+  CHECK(part.handle().key() != lease.handle().key());
+  CHECK(part.handle().describe(0).size_bytes() == 20);
+  // The same range again is a hit.
+  CHECK(cache.acquire(mem.get(), 100).value().handle().key() == lease.handle().key());
+  CHECK(cache.stats().hits == 1);
+  part.release();
+  lease.release();
+  cache.clear();
+  CHECK(reg.size() == 0);
+}
+
+TEST_CASE("invalidate_and_wait refuses while a lease is held, then waits for the peers' accesses being served") {
+  // Before the fix invalidation could not wait: invalidate() revoked and
+  // returned while a peer's put was still being served, and freeing the
+  // memory next let the put write freed memory (ASan: heap-use-after-free).
+  gdr_test_support::watchdog wd(30);
+  gdr::scheduler s;
+  gdr::memory_registry reg;
+  auto mem = std::make_unique<std::byte[]>(100);
+  registry_cache cache(gdr::registry_backend<gdr::Host>(reg, gdr::access::write));
+  auto lease = cache.acquire(mem.get(), 100).value();
+  const auto rv = lease.handle().describe(0);
+  gdr::access_lease put = reg.acquire(rv.address(), 100, rv.key(), gdr::access::write).value();  // being served
+  gdr::result<std::size_t> refused = std::size_t{0}, waited = gdr::errc::busy;
+  bool refused_done = false, waited_done = false, done_before_release = true, new_access_refused = false;
+  std::string said = gdr_test_support::capture_stderr([&] {
+    gdr::sync_wait(s, [&]() -> gdr::task<> {
+      co_await invalidate_and_wait_into(cache, mem.get(), 100, refused, refused_done);  // a lease is held
+      lease.release();
+      gdr::task_scope scope;
+      scope.spawn(invalidate_and_wait_into(cache, mem.get(), 100, waited, waited_done));
+      done_before_release = waited_done;
+      new_access_refused = !reg.acquire(rv.address(), 1, rv.key(), gdr::access::write);
+      std::thread peer([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        std::memset(put.data(), 1, put.size());  // the rest of the put
+        put.release();
+      });
+      co_await scope.join();
+      peer.join();
+    }());
+  });
+  mem.reset();  // now no access is being served
+  CHECK(refused_done);
+  REQUIRE(!refused);
+  CHECK(refused.error() == gdr::errc::busy);
+  CHECK_FALSE(done_before_release);
+  CHECK(new_access_refused);  // stopped at once, waited for after
+  CHECK(waited_done);
+  CHECK(waited.value() == 1);
+  CHECK(cache.size() == 0);
+  CHECK(reg.size() == 0);
+  CHECK(reg.draining() == 0);
+  CHECK(said.empty());  // waited for: no warning
+}
+
+TEST_CASE("a plain invalidate of a registry registration with an access being served warns") {
+  // It cannot wait; the registration it destroys says so (before the fix
+  // deregistration revoked first, which silenced the warning).
+  gdr::memory_registry reg;
+  auto mem = std::make_unique<std::byte[]>(64);
+  registry_cache cache(gdr::registry_backend<gdr::Host>(reg, gdr::access::write));
+  const auto rv = cache.acquire(mem.get(), 64).value().handle().describe(0);
+  gdr::access_lease put = reg.acquire(rv.address(), 64, rv.key(), gdr::access::write).value();
+  std::string said = gdr_test_support::capture_stderr([&] { CHECK(cache.invalidate(mem.get(), 64) == 1); });
+  CHECK(said.find("destroyed while a peer's access to it is being served") != std::string::npos);
+  put.release();
+  CHECK(reg.draining() == 0);
 }

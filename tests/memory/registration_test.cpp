@@ -488,15 +488,33 @@ TEST_CASE("destroying a registration while a lease is out warns once and does no
   CHECK(reg.draining() == 1);
   lease.release();
   CHECK(reg.draining() == 0);
-  // Without a lease out, or after revoke(), destruction says nothing.
-  gdr::access_lease later;  // outlives the registration below
+  // Without a lease out destruction says nothing, nor after a revocation
+  // whose leases are gone.
   said = capture_stderr([&] {
     auto quiet = reg.register_memory(gdr::host_view(mem));
     auto revoked = reg.register_memory(gdr::host_view(mem));
-    later = reg.acquire(address_of(mem), 1, revoked.key(), access::read).value();
+    gdr::access_lease l = reg.acquire(address_of(mem), 1, revoked.key(), access::read).value();
     revoked.revoke();
+    l.release();
   });
   CHECK(said.empty());
+  CHECK(reg.draining() == 0);
+}
+
+TEST_CASE("a revoke() not awaited does not silence the warning of a registration destroyed while a lease is out") {
+  // Before the fix revoke() marked the handle dead, and its destruction
+  // then said nothing although the access was still being served.
+  gdr::memory_registry reg;
+  std::vector<std::byte> mem(16);
+  gdr::access_lease later;  // outlives the registration below
+  std::string said = capture_stderr([&] {
+    auto revoked = reg.register_memory(gdr::host_view(mem));
+    later = reg.acquire(address_of(mem), 1, revoked.key(), access::read).value();
+    revoked.revoke();  // revoked, not waited for
+    CHECK(reg.revocation_pending(revoked.key()));
+  });
+  CHECK(said.find("destroyed while a peer's access to it is being served") != std::string::npos);
+  CHECK(std::count(said.begin(), said.end(), '\n') == 1);
   CHECK(reg.draining() == 1);
   later.release();
   CHECK(reg.draining() == 0);

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -276,6 +277,68 @@ TEST_CASE("post from a plain thread wakes a sleeping loop through the eventfd") 
   CHECK(n.where.load() == std::this_thread::get_id());
   CHECK(s.stats().sleeps >= 1);
   CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+}
+
+namespace {
+
+// A completion source that only bounds the loop's sleeps, as a CUDA event
+// poller with work pending does.
+class bound_poller final : public gdr::poller {
+ public:
+  explicit bound_poller(std::chrono::nanoseconds bound) : bound_(bound) {}
+  gdr::poll_status poll() noexcept override { return {false, bound_}; }
+  const char* name() const noexcept override { return "bound"; }
+
+ private:
+  std::chrono::nanoseconds bound_;
+};
+
+}  // namespace
+
+TEST_CASE("without IORING_FEAT_EXT_ARG, posts from a plain thread during bounded sleeps wake the loop") {
+  // Before Linux 5.11 liburing bounds a sleep with a timeout SQE of its own
+  // (user_data LIBURING_UDATA_TIMEOUT, all ones). Woken by the eventfd read
+  // of a post, the loop finds that timeout's CQE behind the read's: before
+  // the fix dispatch took it for a MSG_RING completion (SIGSEGV).
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.mode = gdr::run_mode::sleep, .ext_arg = false});
+  REQUIRE((s.ring()->features & IORING_FEAT_EXT_ARG) == 0);
+  bound_poller p(50ms);
+  s.add_poller(p);
+  constexpr int rounds = 5;
+  sched_test::counter_node nodes[rounds];
+  std::thread poster([&] {
+    for (auto& n : nodes) {
+      std::this_thread::sleep_for(10ms);  // the loop is in a 50 ms sleep
+      s.post(&n);                         // no scheduler on this thread: eventfd
+    }
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  s.run_until([&] { return nodes[rounds - 1].runs.load() == 1; });
+  poster.join();
+  // And bounds that expire with nothing to wake the loop (liburing's own
+  // CQE then ends the wait).
+  for (int i = 0; i < 3; ++i) s.run_once();
+  s.remove_poller(p);
+  for (auto& n : nodes) CHECK(n.runs.load() == 1);
+  CHECK(s.stats().sleeps >= rounds);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  CHECK(s.stats().completions == 0);  // liburing's timeouts are nobody's operations
+}
+
+TEST_CASE("GDR_MASK_EXT_ARG=1 masks IORING_FEAT_EXT_ARG for every scheduler; the option says so too") {
+  const char* env = std::getenv("GDR_MASK_EXT_ARG");
+  const bool masked = env != nullptr && std::string(env) == "1";
+  MESSAGE(std::string(masked ? "GDR_MASK_EXT_ARG=1: this binary runs as on a kernel before 5.11"
+                              : "GDR_MASK_EXT_ARG not set"));
+  gdr::scheduler plain;
+  CHECK(gdr::scheduler_options{}.ext_arg == !masked);
+  if (masked) CHECK((plain.ring()->features & IORING_FEAT_EXT_ARG) == 0);
+  gdr::scheduler off({.ext_arg = false});
+  CHECK((off.ring()->features & IORING_FEAT_EXT_ARG) == 0);
+  // Every kernel with MSG_RING (5.18) has EXT_ARG (5.11).
+  gdr::scheduler on({.ext_arg = true});
+  if (gdr::detail::msg_ring_supported(*on.ring())) CHECK((on.ring()->features & IORING_FEAT_EXT_ARG) != 0);
 }
 
 TEST_CASE("schedule() hands a coroutine from another thread to the loop's thread") {
@@ -602,6 +665,129 @@ TEST_CASE("a kept cancel whose operation completes before it is sent is forgotte
   CHECK(pending_at_completion == 0);
   CHECK(nop_result.has_value());
   CHECK(s.stats().cancels_deferred == 1);
+}
+
+namespace {
+
+// An operation made by hand, so that a test can submit it again at the same
+// address: it records each completion's result.
+struct hand_op : gdr::operation {
+  std::vector<int> results;
+  std::function<void(hand_op&, int)> then;  // runs after recording, if set
+  hand_op() {
+    complete = [](gdr::operation* op, int res, std::uint32_t) noexcept {
+      auto* self = static_cast<hand_op*>(op);
+      self->results.push_back(res);
+      if (self->then) self->then(*self, res);
+    };
+  }
+};
+
+void submit_nop(gdr::scheduler& s, hand_op& op) {
+  io_uring_sqe* sqe = s.get_sqe();
+  REQUIRE(sqe != nullptr);
+  io_uring_prep_nop(sqe);
+  io_uring_sqe_set_data(sqe, static_cast<gdr::operation*>(&op));
+  s.note_submitted();
+}
+
+void submit_timeout(gdr::scheduler& s, hand_op& op, __kernel_timespec& ts) {
+  io_uring_sqe* sqe = s.get_sqe();
+  REQUIRE(sqe != nullptr);
+  io_uring_prep_timeout(sqe, &ts, 0, 0);
+  io_uring_sqe_set_data(sqe, static_cast<gdr::operation*>(&op));
+  s.note_submitted();
+}
+
+}  // namespace
+
+TEST_CASE("a cancel without an SQE for a new operation at the address of one dispatched earlier in the batch is kept") {
+  // Two NOPs, `first` and `second`, complete in one batch. The handler of
+  // `second` submits a new, long operation at `first`'s address, then, with
+  // the SQ full and refused, cancels it. `first`'s CQE in the batch was
+  // dispatched already: it says nothing of the new operation, whose cancel
+  // must be kept (before the fix it was dropped: the timeout ran its 10 s).
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4});
+  hand_op first, second, fillers[3];
+  __kernel_timespec ten_s{.tv_sec = 10, .tv_nsec = 0};
+  std::size_t kept = 0;
+  second.then = [&](hand_op&, int) {
+    submit_timeout(s, first, ten_s);  // the SQ: 1 of 4
+    for (auto& f : fillers) submit_nop(s, f);  // full
+    refused_submissions refused(s);
+    s.cancel(&first);  // no SQE: kept, or (before) dropped
+    kept = s.pending_cancels();
+    refused.restore();
+  };
+  submit_nop(s, first);
+  submit_nop(s, second);
+  s.submit();
+  auto t0 = std::chrono::steady_clock::now();
+  s.run_until([&] { return first.results.size() == 2 || std::chrono::steady_clock::now() - t0 > 2s; });
+  auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(kept == 1);
+  CHECK(s.stats().cancels_deferred == 1);
+  REQUIRE(first.results.size() >= 1);
+  CHECK(first.results[0] == 0);  // the NOP
+  CHECK(took < 1s);              // the timeout was cancelled, not expired
+  if (first.results.size() < 2) s.cancel(&first);  // (before the fix) end it now
+  s.drain();
+  REQUIRE(first.results.size() == 2);
+  CHECK(first.results[1] == -ECANCELED);
+  CHECK(s.pending_cancels() == 0);
+}
+
+TEST_CASE("an eventfd read refused an SQE is armed again, and a later post from a plain thread still wakes the loop") {
+  // A post from a plain thread wakes the sleeping loop through its eventfd.
+  // In the next iteration, before the read's completion is reaped, posted
+  // work fills the SQ and makes the kernel refuse it, so the read cannot be
+  // armed again from its completion; a poller lifts the refusal after the
+  // reaping. Before the fix the read was dropped there, and the next post
+  // from a plain thread woke nobody: the loop slept until its 2 s bound.
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.sq_entries = 4, .mode = gdr::run_mode::sleep});
+  hand_op fillers[4];
+  std::optional<refused_submissions> refused;
+  struct fill_node : gdr::remote_work {
+    std::function<void()> f;
+  } fill;
+  fill.run = [](gdr::remote_work* w) noexcept { static_cast<fill_node*>(w)->f(); };
+  fill.f = [&] {
+    for (auto& f : fillers) submit_nop(s, f);  // 4 of 4
+    refused.emplace(s);
+  };
+  struct lift_poller final : gdr::poller {
+    std::optional<refused_submissions>* refused = nullptr;
+    gdr::poll_status poll() noexcept override {
+      if (refused->has_value()) {
+        (*refused)->restore();
+        refused->reset();
+      }
+      return {false, 2s};  // bounds every sleep: a lost wake-up shows as a slow round
+    }
+    const char* name() const noexcept override { return "lift"; }
+  } lift;
+  lift.refused = &refused;
+  s.add_poller(lift);
+  sched_test::counter_node later;
+  std::atomic<std::int64_t> posted_at{0};
+  std::thread poster([&] {
+    std::this_thread::sleep_for(20ms);  // the loop sleeps
+    s.post(&fill);                      // eventfd: its read completes
+    std::this_thread::sleep_for(50ms);  // the loop sleeps again
+    posted_at = std::chrono::steady_clock::now().time_since_epoch().count();
+    s.post(&later);
+  });
+  s.run_until([&] { return later.runs.load() == 1; });
+  auto ran_at = std::chrono::steady_clock::now();
+  poster.join();
+  s.drain();
+  s.remove_poller(lift);
+  auto delay = ran_at - std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(posted_at.load()));
+  for (auto& f : fillers) CHECK(f.results == std::vector<int>{0});
+  CHECK(s.stats().wake_reads_deferred == 1);  // the refusal did hit the read
+  CHECK(delay < 1s);                           // the later post woke the loop
 }
 
 namespace {
