@@ -269,11 +269,12 @@ inline void check_stream(std::uint64_t seed, const stream_view& sv, journal& j) 
   std::string detail = strf("stream side %u -> %u tag %u (%s; ended: %s)\n  sends:", sp.from, 1 - sp.from, sp.tag,
                             sv.lossy ? "lossy" : "lossless", sv.how_it_ended.c_str());
   for (std::size_t k = 0; k < n; ++k)
-    detail += strf(" [%zu %zuB %s]", k, size[k], sv.sends[k] ? outcome(*sv.sends[k]).c_str() : "unknown");
+    detail += strf(" [%zu %zuB %s %s]", k, size[k], sv.sends[k] ? to_string(sv.sends[k]->mem) : "?",
+                   sv.sends[k] ? outcome(*sv.sends[k]).c_str() : "unknown");
   detail += "\n  recvs:";
   for (std::size_t i = 0; i < m; ++i) {
     const op_record& r = *sv.recvs[i];
-    detail += strf(" [%zu view %zu %s: %s]", i, r.size, outcome(r).c_str(),
+    detail += strf(" [%zu view %zu %s %s: %s]", i, r.size, to_string(r.mem), outcome(r).c_str(),
                    r.rep.error && !is(r.rep.error, gdr::errc::truncated)
                        ? "-"
                        : describe_bytes(std::vector<std::byte>(

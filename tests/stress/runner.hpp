@@ -18,6 +18,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -137,18 +138,22 @@ inline run_outcome finish_child(child& ch) {
 
 }  // namespace detail
 
-/// Runs every config of `runs`, each in a forked child with time limit
-/// `limit`, `jobs` at once; calls `done(outcome)` as each ends (in the order
-/// they end). Stops starting new ones once `keep_going()` says no.
-inline void run_forked(const std::vector<run_config>& runs, unsigned jobs, std::chrono::milliseconds limit,
-                       const std::function<void(const run_outcome&)>& done,
-                       const std::function<bool()>& keep_going = [] { return true; }) {
+/// Runs the configs `next()` gives (until it gives none), each in a forked
+/// child with time limit `limit`, `jobs` at once; calls `done(outcome)` as
+/// each ends (in the order they end).
+inline void run_forked(const std::function<std::optional<run_config>()>& next, unsigned jobs,
+                       std::chrono::milliseconds limit, const std::function<void(const run_outcome&)>& done) {
   std::deque<detail::child> live;
-  std::size_t next = 0;
+  bool more = true;
   if (jobs == 0) jobs = 1;
-  while (next < runs.size() || !live.empty()) {
-    while (live.size() < jobs && next < runs.size() && keep_going()) {
-      detail::child ch = detail::start_child(runs[next++], limit);
+  while (more || !live.empty()) {
+    while (live.size() < jobs && more) {
+      std::optional<run_config> c = next();
+      if (!c) {
+        more = false;
+        break;
+      }
+      detail::child ch = detail::start_child(*c, limit);
       if (ch.pid < 0) {
         done({ch.config, false, "setup: could not fork", {}, 0});
         continue;
@@ -185,6 +190,19 @@ inline void run_forked(const std::vector<run_config>& runs, unsigned jobs, std::
       }
     }
   }
+}
+
+/// The same over a list, stopping early once `keep_going()` says no.
+inline void run_forked(const std::vector<run_config>& runs, unsigned jobs, std::chrono::milliseconds limit,
+                       const std::function<void(const run_outcome&)>& done,
+                       const std::function<bool()>& keep_going = [] { return true; }) {
+  std::size_t i = 0;
+  run_forked(
+      [&]() -> std::optional<run_config> {
+        if (i >= runs.size() || !keep_going()) return std::nullopt;
+        return runs[i++];
+      },
+      jobs, limit, done);
 }
 
 }  // namespace stress

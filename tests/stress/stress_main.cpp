@@ -1,4 +1,4 @@
-// The stress runner (tests/stress/README in BUILD.bazel's comment):
+// The stress runner (usage also in tests/stress/BUILD.bazel):
 //
 //   stress --seed S [--transport T] [--mode M] [--log]
 //       replays one seed in this process (under gdb, ASan, with --log to
@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,20 +119,25 @@ int main(int argc, char** argv) {
   if (last == 0 && seconds <= 0) usage("give --seed, --seeds A:B or --time");
   if (last != 0 && last <= first) usage("--seeds A:B needs A < B");
 
-  std::vector<run_config> runs;
-  const std::uint64_t end = last != 0 ? last : first + 100'000'000;
+  // Seeds in order, each over every transport and mode; with --time, until
+  // the time is up.
   const auto stop_at = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  // Seeds are started in order; with --time, the list is cut when time is up.
-  const std::uint64_t cap = last != 0 ? last : first + 1'000'000;
-  for (std::uint64_t s = first; s < std::min(end, cap); ++s)
-    for (auto t : ts)
-      for (auto m : ms) {
-        run_config c = base;
-        c.transport = t;
-        c.mode = m;
-        c.seed = s;
-        runs.push_back(c);
-      }
+  std::uint64_t s = first;
+  std::size_t k = 0;
+  auto next = [&]() -> std::optional<run_config> {
+    if (k == ts.size() * ms.size()) {
+      k = 0;
+      ++s;
+    }
+    if (last != 0 && s >= last) return std::nullopt;
+    if (seconds > 0 && std::chrono::steady_clock::now() >= stop_at) return std::nullopt;
+    run_config c = base;
+    c.transport = ts[k / ms.size()];
+    c.mode = ms[k % ms.size()];
+    c.seed = s;
+    ++k;
+    return c;
+  };
   std::map<std::string, std::pair<unsigned, unsigned>> tally;  // "transport mode" -> (runs, failed)
   std::map<std::string, unsigned> kinds;
   std::map<std::uint64_t, bool> seed_ok;
@@ -139,7 +145,7 @@ int main(int argc, char** argv) {
   double pass_seconds = 0;
   const auto limit = base.bound + std::chrono::milliseconds(15000);
   run_forked(
-      runs, jobs, limit,
+      next, jobs, limit,
       [&](const run_outcome& r) {
         ++total;
         auto [it, fresh] = seed_ok.emplace(r.config.seed, true);
@@ -157,8 +163,7 @@ int main(int argc, char** argv) {
           if (verbose) std::printf("%s\n", r.output.c_str());
           std::fflush(stdout);
         }
-      },
-      [&] { return seconds <= 0 || std::chrono::steady_clock::now() < stop_at; });
+      });
   for (auto& [k, v] : tally)
     std::printf("stress: %s: %u runs, %u failed (%.0f%% passed)\n", k.c_str(), v.first, v.second,
                 v.first ? 100.0 * (v.first - v.second) / v.first : 0.0);

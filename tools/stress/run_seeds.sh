@@ -13,8 +13,11 @@
 #
 # Prints one line per failing run (seed, transport, mode, what failed, the
 # replay command) and the runner's summary; the whole output is also kept in
-# stress-<config>-<first seed>.log in the current directory. Exit status 0 if
-# every run passed.
+# stress-<config>-<first seed>.log in the directory it was called from. Exit
+# status 0 if every run passed. A seed replays alone in the same config:
+#   bazel-bin/tests/stress/stress --seed S --transport T --mode M [--log]
+# (sanitizer configs run fewer operations per seed: GDR_STRESS_SCALE=0.4
+# gives a default build the same plans).
 set -euo pipefail
 
 config=""
@@ -37,6 +40,7 @@ while (($#)); do
   esac
 done
 
+here=$(pwd)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 bazel_args=(build //tests/stress:stress)
@@ -56,7 +60,7 @@ elif [[ $seeds == *: ]]; then
 else
   run=(--seeds "$seeds")
 fi
-log="stress-${config:-default}-${seeds%%:*}.log"
+log="$here/stress-${config:-default}-${seeds%%:*}.log"
 echo "run_seeds.sh: $bin ${run[*]} --transport $transport --mode $mode --jobs $jobs (log: $log)" >&2
 set +e
 "$bin" "${run[@]}" --transport "$transport" --mode "$mode" --jobs "$jobs" "${extra[@]}" | tee "$log"
