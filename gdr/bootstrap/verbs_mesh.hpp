@@ -3,8 +3,9 @@
 /// over RDMA verbs: one RC endpoint to every other rank, set up through
 /// rdma_cm, after the same rendezvous (TCP, or MPI under `mpirun`/`srun`)
 /// and the same steps: a session id, listen and publish, connect to every
-/// higher rank and greet it, accept every lower one, and a final allgather
-/// so that every rank fails when one does.
+/// higher rank and greet it while accepting every lower one (at once, at
+/// most `mesh_options::max_connects_in_flight` connections of a rank's own
+/// under way), and a final allgather so that every rank fails when one does.
 ///
 /// \code
 ///   auto rv = gdr::bootstrap::tcp_rendezvous::from_env();
@@ -50,6 +51,11 @@ struct mesh_options {
   std::string listen_host{};
   /// Bound on each step (each connect, each hello, all the accepts).
   std::chrono::milliseconds timeout{30'000};
+  /// How many of its connections a rank has under way at once; the others
+  /// wait for a free one. At least 1. (Ranks connect in increasing order,
+  /// so a rank sees requests from about this many lower ranks at a time,
+  /// within the listener's rdma_cm backlog of 64.)
+  int max_connects_in_flight = 32;
   /// The registry the endpoints serve peers' put/get from.
   memory_registry* registry = &default_registry();
   /// Options of every endpoint.
@@ -96,7 +102,10 @@ task<bootstrap::mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = 
   if (host.empty()) host = rv.address_hint();
   if (host.empty() || host == "127.0.0.1" || host == "::1") host = gdr::detail::sock::first_external_ipv4();
   detail::mesh_net net{&sched, &opts};
-  co_return co_await bootstrap::detail::build_mesh(rv, host, opts.timeout, net);
+  bootstrap::detail::mesh_limits lim;
+  lim.timeout = opts.timeout;
+  lim.max_connects_in_flight = opts.max_connects_in_flight;
+  co_return co_await bootstrap::detail::build_mesh(rv, host, lim, net);
 }
 
 }  // namespace gdr::verbs
