@@ -28,7 +28,10 @@
 ///    accepts i connections, reading each one's hello, all at once, to learn
 ///    which lower rank it is. A connection whose hello is not of this
 ///    session (a stray client, a previous job) is closed and not counted; a
-///    silent one is dropped after 5 s without holding the others up.
+///    silent one holds nobody up and is dropped when the step ends. One
+///    deadline (`mesh_options::timeout`) bounds the step; when it passes,
+///    the rank names the lower ranks that did not connect and the higher
+///    ones that did not answer.
 /// 4. A final allgather of each rank's outcome: if any rank failed, every
 ///    rank throws, instead of some ranks waiting on a peer that gave up.
 /// Nothing waits for anything but the peer at the other end of a
@@ -49,8 +52,8 @@
 /// address of an interface that is up and not loopback.
 ///
 /// Blocking: the rendezvous collectives block the scheduler's thread (setup
-/// code; nothing else should run on it yet). Every wait is bounded by
-/// `mesh_options::timeout`; failures throw `gdr::error` with
+/// code; nothing else should run on it yet). `mesh_options::timeout` bounds
+/// each collective and step 3 as a whole; failures throw `gdr::error` with
 /// `errc::bootstrap_failed` and say which peer and which step (a rank that
 /// does not arrive is named, by the ranks waiting for it in step 3 and by
 /// the rendezvous in a collective).
@@ -82,6 +85,7 @@
 #include <gdr/memory/remote_view.hpp>  // detail::store_le64 / load_le64
 #include <gdr/memory/view.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/sched/timer.hpp>
 #include <gdr/transport/tcp/connect.hpp>
 #include <gdr/transport/tcp/endpoint.hpp>
 #include <gdr/transport/tcp/listener.hpp>
@@ -100,7 +104,8 @@ struct mesh_options {
   /// The numeric address to listen on and publish (see the file comment for
   /// what is used when empty).
   std::string listen_host{};
-  /// Bound on each step (each connect, each hello, all the accepts).
+  /// Bound on each step: each collective, and step 3 as a whole (every
+  /// connect, hello and accept of this rank).
   std::chrono::milliseconds timeout{30'000};
   /// How many of its connections a rank has under way at once (connect and
   /// hello); the others wait for a free one. At least 1.
@@ -163,36 +168,65 @@ namespace detail {
 
 /// What step 3 of `build_mesh` shares among its coroutines (one scheduler,
 /// one thread: no locks).
+///
+/// One deadline bounds the whole step: a single timer (`watch_deadline`)
+/// stops everything still under way when it passes, and says who is
+/// missing. The connects, hellos and accepts carry no timeout of their own
+/// (an io_uring timeout armed and cancelled per operation costs, at n - 1
+/// connections a rank, more than the step's one); they end on the step's
+/// stop token.
 struct mesh_build {
   const mesh_table* table;
   std::chrono::milliseconds timeout;
-  std::chrono::steady_clock::time_point deadline;  // of the accepts
+  std::chrono::steady_clock::time_point deadline;
   std::vector<endpoint> peers;
+  std::vector<char> greeting;  // greeting[j]: a connection to higher rank j is under way
   std::string failure;
   int next;     // the next higher rank to connect to
   int missing;  // lower ranks whose hello has not arrived
-  linked_stop_source stop_accepting;
+  int running;  // connect workers and the accept loop still working
+  linked_stop_source stop_step;       // ends the whole step (and the timer)
+  linked_stop_source stop_accepting;  // ends the accepts (every lower rank is in)
   task_scope readers{};
 
   mesh_build(const mesh_table& t, std::chrono::milliseconds to, std::stop_token parent)
       : table(&t), timeout(to), deadline(std::chrono::steady_clock::now() + to),
-        peers(static_cast<std::size_t>(t.size)), failure(t.failure), next(t.rank + 1),
-        missing(t.failure.empty() ? t.rank : 0), stop_accepting(std::move(parent)) {}
+        peers(static_cast<std::size_t>(t.size)), greeting(static_cast<std::size_t>(t.size), 0), failure(t.failure),
+        next(t.rank + 1), missing(t.failure.empty() ? t.rank : 0), running(0), stop_step(std::move(parent)),
+        stop_accepting(stop_step.get_token()) {}
 
-  /// The first failure wins; it stops the accepts and the hellos read.
+  /// The first failure wins; it stops the rest of the step.
   void fail(std::string why) {
     if (failure.empty()) failure = std::move(why);
-    stop_accepting.request_stop();
     readers.request_stop();
+    stop_step.request_stop();
   }
-  /// The lower ranks that have not connected.
-  std::vector<int> absent() const {
-    std::vector<int> r;
+  /// A worker or the accept loop is done; the last one ends the timer.
+  void done() {
+    if (--running == 0) stop_step.request_stop();
+  }
+  /// Who is missing when the deadline passes.
+  std::string missing_ranks() const {
+    std::vector<int> lower, higher;
     for (int i = 0; i < table->rank; ++i)
-      if (!peers[static_cast<std::size_t>(i)].is_open()) r.push_back(i);
-    return r;
+      if (!peers[static_cast<std::size_t>(i)].is_open()) lower.push_back(i);
+    for (int j = table->rank + 1; j < table->size; ++j)
+      if (greeting[static_cast<std::size_t>(j)]) higher.push_back(j);
+    std::string s;
+    if (!lower.empty()) s = ranks_list(lower) + " did not connect";
+    if (!higher.empty()) s += (s.empty() ? "" : "; ") + ranks_list(higher) + " did not answer";
+    return s.empty() ? "this rank's connections were not all made" : s;
   }
 };
+
+/// The step's one timer: at the deadline it fails the step, naming who is
+/// missing; a stop (the step ended) ends it.
+inline task<> watch_deadline(mesh_build& b) {
+  auto t = sleep_until(b.deadline);
+  result<void> r = co_await std::move(t).as_result();
+  if (!r) co_return;
+  b.fail("step 3 (connections): within " + std::to_string(b.timeout.count()) + " ms, " + b.missing_ranks());
+}
 
 /// One of `max_connects_in_flight` workers: connects to the next higher
 /// rank and greets it, until none is left or something failed.
@@ -203,33 +237,35 @@ task<> connect_higher(mesh_build& b, Net& net) {
   while (b.failure.empty() && b.next < t.size) {
     const int j = b.next++;
     const std::string& where = t.where[static_cast<std::size_t>(j)];
-    auto conn = net.connect(where, b.timeout);
+    b.greeting[static_cast<std::size_t>(j)] = 1;
+    auto conn = net.connect(where, std::chrono::milliseconds(0));
     auto ep = co_await std::move(conn);
     if (!ep) {
       b.fail("step 3 (connections): connecting to rank " + std::to_string(j) + " at " + where + ": " +
              ep.error().message());
-      co_return;
+      break;
     }
     // Completes once the peer's endpoint said hello: once it accepted.
-    auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()), timeout_options(b.timeout));
+    auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()));
     result<std::size_t> sent = co_await std::move(send).as_result();
     if (!sent) {
       b.fail("step 3 (connections): greeting rank " + std::to_string(j) + " at " + where + ": " +
              sent.error().message());
-      co_return;
+      break;
     }
+    b.greeting[static_cast<std::size_t>(j)] = 0;
     b.peers[static_cast<std::size_t>(j)] = std::move(*ep);
   }
+  b.done();
 }
 
-/// Reads the hello of one accepted connection (bounded by `hello_bound`)
-/// and keeps it as the lower rank it names, or closes it.
+/// Reads the hello of one accepted connection and keeps it as the lower
+/// rank it names, or closes it. A silent connection waits here, holding
+/// nobody up, until the step ends.
 inline task<> read_mesh_hello(mesh_build& b, endpoint ep) {
   const mesh_table& t = *b.table;
   std::array<std::byte, mesh_hello_size + 8> h{};
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(b.deadline - std::chrono::steady_clock::now());
-  auto recv = ep.recv(gdr::view<std::byte, Host>(h.data(), h.size()),
-                      timeout_options(std::max(std::chrono::milliseconds(1), std::min(left, hello_bound))));
+  auto recv = ep.recv(gdr::view<std::byte, Host>(h.data(), h.size()));
   result<std::size_t> got = co_await std::move(recv).as_result();
   const int r = got ? mesh_hello_rank(h, *got, t.session, t.size, t.rank) : -1;
   if (r >= 0 && r < t.rank && !b.peers[static_cast<std::size_t>(r)].is_open() && b.failure.empty()) {
@@ -253,23 +289,17 @@ inline task<> read_mesh_hello(mesh_build& b, endpoint ep) {
 template <class Net>
 task<> accept_lower(mesh_build& b, Net& net) {
   while (b.missing > 0 && b.failure.empty()) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(b.deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      b.fail("step 3 (connections): " + ranks_list(b.absent()) + " did not connect within " +
-             std::to_string(b.timeout.count()) + " ms");
-      break;
-    }
-    auto acc = with_stop_token(b.stop_accepting.get_token(), net.accept(left));
+    auto acc = with_stop_token(b.stop_accepting.get_token(), net.accept(std::chrono::milliseconds(0)));
     auto ep = co_await std::move(acc);
     if (b.missing == 0 || !b.failure.empty()) break;  // stopped: done, or failed elsewhere
     if (!ep) {
-      if (ep.error() == errc::timed_out) continue;  // the loop's head names who is missing
       b.fail("step 3 (connections): accepting: " + ep.error().message());
       break;
     }
     b.readers.spawn(read_mesh_hello(b, endpoint(std::move(*ep))));
   }
   co_await b.readers.join();
+  b.done();
 }
 
 /// Bounds of `build_mesh`.
@@ -283,11 +313,12 @@ struct mesh_limits {
 ///   * `std::string listen(const std::string& host)`: listens on `host`
 ///     (any port); returns why it could not, or nothing;
 ///   * `std::string published() const`: what other ranks connect to;
-///   * `task<result<E>> connect(const std::string& where, std::chrono::milliseconds)`
-///     and `task<result<E>> accept(std::chrono::milliseconds)`, `E` an
-///     endpoint of the transport (converts to `gdr::endpoint`); several
-///     connects may be under way at once, beside one accept, which a stop
-///     request on the awaiting coroutine's token ends;
+///   * `task<result<E>> connect(const std::string& where, std::chrono::milliseconds t)`
+///     and `task<result<E>> accept(std::chrono::milliseconds t)`, `E` an
+///     endpoint of the transport (converts to `gdr::endpoint`), bounded by
+///     `t` (zero: by nothing but a stop request on the awaiting coroutine's
+///     token); several connects may be under way at once, beside one
+///     accept;
 ///   * `void close()`: stops listening (no accept is under way then).
 template <rendezvous R, class Net>
 task<mesh> build_mesh(R& rv, std::string configured_host, mesh_limits lim, Net& net) {
@@ -303,9 +334,11 @@ task<mesh> build_mesh(R& rv, std::string configured_host, mesh_limits lim, Net& 
   if (b.failure.empty()) {
     std::vector<task<>> work;
     const int workers = std::min(std::max(lim.max_connects_in_flight, 1), t.size - 1 - t.rank);
+    b.running = workers + 1;
     for (int w = 0; w < workers; ++w) work.push_back(connect_higher(b, net));
     work.push_back(accept_lower(b, net));
-    co_await when_all(std::move(work));
+    work.push_back(watch_deadline(b));
+    co_await with_stop_token(b.stop_step.get_token(), when_all(std::move(work)));
   }
   net.close();
 

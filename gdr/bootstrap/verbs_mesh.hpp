@@ -49,7 +49,7 @@ struct mesh_options {
   /// This rank's numeric address on its RDMA device (see the file comment
   /// for what is used when empty).
   std::string listen_host{};
-  /// Bound on each step (each connect, each hello, all the accepts).
+  /// Bound on each step: each collective, and the connections as a whole.
   std::chrono::milliseconds timeout{30'000};
   /// How many of its connections a rank has under way at once; the others
   /// wait for a free one. At least 1. (Ranks connect in increasing order,
@@ -83,11 +83,19 @@ struct mesh_net {
     return {};
   }
   std::string published() const { return bracket(host) + ":" + std::to_string(l->port()); }
-  task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
-    co_return co_await try_with_timeout(t, verbs::connect(*sched, where, bracket(host) + ":0", *opts->registry,
-                                                          opts->endpoint));
+  // `t` zero: no bound of its own (build_mesh's step has one deadline).
+  static task<result<endpoint>> bounded(std::chrono::milliseconds t, task<endpoint> op) {
+    if (t.count() > 0) co_return co_await try_with_timeout(t, std::move(op));
+    try {
+      co_return co_await std::move(op);
+    } catch (const error& e) {
+      co_return e.code();
+    }
   }
-  task<result<endpoint>> accept(std::chrono::milliseconds t) { co_return co_await try_with_timeout(t, l->accept()); }
+  task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
+    return bounded(t, verbs::connect(*sched, where, bracket(host) + ":0", *opts->registry, opts->endpoint));
+  }
+  task<result<endpoint>> accept(std::chrono::milliseconds t) { return bounded(t, l->accept()); }
   void close() { l.reset(); }
 };
 
