@@ -2,7 +2,9 @@
 /// `gdr::bootstrap::connect_mesh`: one TCP endpoint to every other rank,
 /// built through a rendezvous (TCP or MPI). The steps below are the same
 /// for every transport (`detail::build_mesh`); `gdr::verbs::connect_mesh`
-/// (`gdr/bootstrap/verbs_mesh.hpp`) builds a mesh of verbs endpoints.
+/// (`gdr/bootstrap/verbs_mesh.hpp`) builds a mesh of verbs endpoints. A
+/// mesh whose connections are made on first use instead is
+/// `gdr::bootstrap::lazy_mesh` (`gdr/bootstrap/lazy_mesh.hpp`).
 ///
 /// \code
 ///   auto rv = gdr::bootstrap::tcp_rendezvous::from_env();
