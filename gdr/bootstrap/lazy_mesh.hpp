@@ -318,6 +318,7 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
   enum class link_state : std::uint8_t { none, connecting, answering, ready };
   struct link {
     link_state state = link_state::none;
+    std::uint64_t gen = 0;  // counts state changes: a coroutine that set one knows whether it still holds
     endpoint ep{};
     link_wait* waiters = nullptr;  // doubly linked through prev_/next_
     std::string failure{};         // why the last attempt failed
@@ -384,12 +385,12 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
 
   /// Starts connecting to `p` (its link becomes connecting).
   std::error_code start_connect(int p) noexcept {
-    at(p).state = link_state::connecting;
+    set_state(p, link_state::connecting);
     ++stats_.connects;
     try {
       spawn(connect_to(p));
     } catch (...) {
-      at(p).state = link_state::none;
+      set_state(p, link_state::none);
       return errno_code(ENOMEM);
     }
     return {};
@@ -407,8 +408,7 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
     } catch (const std::exception& e) {
       broke = e.what();  // allocation failures: the link must not stay connecting
     }
-    if (!broke.empty() && !closing_ && at(p).state == link_state::connecting)
-      link_failed(p, "connecting to rank " + std::to_string(p) + ": " + broke);
+    if (!broke.empty() && !closing_) attempt_failed(p, "connecting to rank " + std::to_string(p) + ": " + broke);
   }
 
   /// One connection to `p` (see the file comment), under a turn.
@@ -420,23 +420,26 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
     auto conn = net_->connect(where(p), t);
     result<endpoint> ep = co_await std::move(conn);
     if (closing_) co_return;
-    if (!ep) co_return link_failed(p, step + ": " + ep.error().message());
+    if (!ep) co_return attempt_failed(p, step + ": " + ep.error().message());
     const auto hello = mesh_hello(table_.session, rank(), size());
     auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()), timeout_options(t));
     result<std::size_t> sent = co_await std::move(send).as_result();
     if (closing_) co_return;
-    if (!sent) co_return link_failed(p, step + ": greeting it: " + sent.error().message());
+    if (!sent) co_return attempt_failed(p, step + ": greeting it: " + sent.error().message());
     std::array<std::byte, 16> v{};
     auto recv = ep->recv(gdr::view<std::byte, Host>(v.data(), v.size()), timeout_options(t));
     result<std::size_t> got = co_await std::move(recv).as_result();
     if (closing_) co_return;
     if (!got || *got != v.size() || gdr::detail::load_le64(v.data()) != lazy_verdict_magic)
-      co_return link_failed(p, step + ": its verdict: " + (got ? std::string("malformed") : got.error().message()));
+      co_return attempt_failed(p, step + ": its verdict: " + (got ? std::string("malformed") : got.error().message()));
     if (gdr::detail::load_le64(v.data() + 8) == 1) {
-      // Taken. (The link is still connecting: p took this connection only
-      // because its own link was none, or connecting with this rank lower,
-      // and in both cases this rank refuses p's.)
-      if (at(p).state != link_state::connecting) co_return;
+      // Taken: p holds this connection as the link, so this rank does too.
+      // (The link is normally still connecting: p took it because its own
+      // link was none, or connecting with this rank lower, and in both
+      // cases this rank refuses p's connection. It may be none or answering
+      // when p's own attempt failed meanwhile, and a connection of p's that
+      // this rank is answering is dead; it loses to this one.)
+      if (at(p).state == link_state::ready) co_return;  // cannot happen; keep the first
       co_return link_ready(p, std::move(*ep));
     }
     // Refused: p was connecting too and is the lower rank, or holds a
@@ -454,8 +457,8 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
     }
     // Ready, closed, or failed by the accept side (which told the waiters).
     if (closing_ || at(p).state != link_state::connecting) co_return;
-    link_failed(p, "rank " + std::to_string(p) + " refused this rank's connection (its own was under way) but its own " +
-                       "did not arrive within " + std::to_string(t.count()) + " ms (" + why.message() + ")");
+    attempt_failed(p, "rank " + std::to_string(p) + " refused this rank's connection (its own was under way) but its " +
+                          "own did not arrive within " + std::to_string(t.count()) + " ms (" + why.message() + ")");
   }
 
   task<> accept_loop() {
@@ -508,28 +511,42 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
       co_return;
     }
     ++stats_.accepted;
-    l.state = link_state::answering;  // users wait until the verdict is out
+    set_state(p, link_state::answering);  // users wait until the verdict is out
+    const std::uint64_t mine = at(p).gen;
     auto yes = ep.send(gdr::view<const std::byte, Host>(v.data(), v.size()), timeout_options(opts_.timeout));
     result<std::size_t> sent = co_await std::move(yes).as_result();
-    if (closing_) co_return;
+    // Closing, or this rank's own connection won meanwhile (see attempt):
+    // this one is not the link.
+    if (closing_ || at(p).gen != mine) co_return;
     // The peer went away before the link was of any use (it gave up
     // waiting, say): the link is none again, and a later use tries anew.
-    if (!sent) co_return link_failed(p, "answering rank " + std::to_string(p) + ": " + sent.error().message());
+    if (!sent) {
+      ++stats_.failed;
+      co_return link_failed(p, "answering rank " + std::to_string(p) + ": " + sent.error().message());
+    }
     link_ready(p, std::move(ep));
   }
 
   // ---- links -------------------------------------------------------------
 
+  void set_state(int p, link_state st) noexcept {
+    at(p).state = st;
+    ++at(p).gen;
+  }
   void link_ready(int p, endpoint ep) {
-    link& l = at(p);
-    l.state = link_state::ready;
-    l.ep = std::move(ep);
+    set_state(p, link_state::ready);
+    at(p).ep = std::move(ep);
     wake_waiters(p);
   }
-  void link_failed(int p, std::string why) {
+  /// This rank's own attempt failed: the link fails, unless it is no longer
+  /// the attempt's (the peer's connection was taken meanwhile).
+  void attempt_failed(int p, std::string why) {
     ++stats_.failed;
+    if (at(p).state == link_state::connecting) link_failed(p, std::move(why));
+  }
+  void link_failed(int p, std::string why) {
     link& l = at(p);
-    l.state = link_state::none;
+    set_state(p, link_state::none);
     l.ep = endpoint();
     l.failure = prefix() + why;
     fail_waiters(p, errc::bootstrap_failed, nullptr);
