@@ -397,41 +397,57 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
   }
 
   task<> connect_to(int p) {
-    if (!co_await connect_turn()) co_return;
-    struct turn_guard {
-      lazy_state* s;
-      ~turn_guard() { s->end_turn(); }
-    } guard{this};
-    std::string broke;
-    try {
-      co_await attempt(p);
-    } catch (const std::exception& e) {
-      broke = e.what();  // allocation failures: the link must not stay connecting
+    bool refused = false;
+    {
+      if (!co_await connect_turn()) co_return;
+      struct turn_guard {
+        lazy_state* s;
+        ~turn_guard() { s->end_turn(); }
+      } guard{this};
+      std::string broke;
+      try {
+        refused = co_await attempt(p);
+      } catch (const std::exception& e) {
+        broke = e.what();  // allocation failures: the link must not stay connecting
+      }
+      if (!broke.empty() && !closing_) attempt_failed(p, "connecting to rank " + std::to_string(p) + ": " + broke);
     }
-    if (!broke.empty() && !closing_) attempt_failed(p, "connecting to rank " + std::to_string(p) + ": " + broke);
+    // Refused: p's own connection is the link. Waiting for it holds no turn
+    // (a turn held here would keep this rank's other connections waiting on
+    // a lower rank's progress).
+    if (refused) co_await await_peer(p);
   }
 
-  /// One connection to `p` (see the file comment), under a turn.
-  task<> attempt(int p) {
+  /// One connection to `p` (see the file comment), under a turn. True when
+  /// p refused it and its own connection is to come.
+  task<bool> attempt(int p) {
     // The peer's connection may have been taken while this one waited.
-    if (closing_ || at(p).state != link_state::connecting) co_return;
+    if (closing_ || at(p).state != link_state::connecting) co_return false;
     const std::chrono::milliseconds t = opts_.timeout;
     const std::string step = "connecting to rank " + std::to_string(p) + " at " + where(p);
     auto conn = net_->connect(where(p), t);
     result<endpoint> ep = co_await std::move(conn);
-    if (closing_) co_return;
-    if (!ep) co_return attempt_failed(p, step + ": " + ep.error().message());
+    if (closing_) co_return false;
+    if (!ep) {
+      attempt_failed(p, step + ": " + ep.error().message());
+      co_return false;
+    }
     const auto hello = mesh_hello(table_.session, rank(), size());
     auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()), timeout_options(t));
     result<std::size_t> sent = co_await std::move(send).as_result();
-    if (closing_) co_return;
-    if (!sent) co_return attempt_failed(p, step + ": greeting it: " + sent.error().message());
+    if (closing_) co_return false;
+    if (!sent) {
+      attempt_failed(p, step + ": greeting it: " + sent.error().message());
+      co_return false;
+    }
     std::array<std::byte, 16> v{};
     auto recv = ep->recv(gdr::view<std::byte, Host>(v.data(), v.size()), timeout_options(t));
     result<std::size_t> got = co_await std::move(recv).as_result();
-    if (closing_) co_return;
-    if (!got || *got != v.size() || gdr::detail::load_le64(v.data()) != lazy_verdict_magic)
-      co_return attempt_failed(p, step + ": its verdict: " + (got ? std::string("malformed") : got.error().message()));
+    if (closing_) co_return false;
+    if (!got || *got != v.size() || gdr::detail::load_le64(v.data()) != lazy_verdict_magic) {
+      attempt_failed(p, step + ": its verdict: " + (got ? std::string("malformed") : got.error().message()));
+      co_return false;
+    }
     if (gdr::detail::load_le64(v.data() + 8) == 1) {
       // Taken: p holds this connection as the link, so this rank does too.
       // (The link is normally still connecting: p took it because its own
@@ -439,15 +455,21 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
       // cases this rank refuses p's connection. It may be none or answering
       // when p's own attempt failed meanwhile, and a connection of p's that
       // this rank is answering is dead; it loses to this one.)
-      if (at(p).state == link_state::ready) co_return;  // cannot happen; keep the first
-      co_return link_ready(p, std::move(*ep));
+      if (at(p).state != link_state::ready) link_ready(p, std::move(*ep));  // ready: cannot happen; keep the first
+      co_return false;
     }
     // Refused: p was connecting too and is the lower rank, or holds a
-    // connection to this rank already. Its own connection is the one.
+    // connection to this rank already. Its own connection is the one; this
+    // one is dropped (p closes its side).
     ++stats_.refused_by_peer;
-    auto bye = ep->close(timeout_options(std::chrono::milliseconds(1000)));
-    (void)co_await std::move(bye).as_result();
+    co_return true;
+  }
+
+  /// After a refusal: waits, bounded by the mesh's timeout, for p's own
+  /// connection to become the link.
+  task<> await_peer(int p) {
     if (closing_ || at(p).state != link_state::connecting) co_return;
+    const std::chrono::milliseconds t = opts_.timeout;
     link_wait w(shared_from_this(), p, timeout_options(t));
     std::error_code why;
     try {
