@@ -43,7 +43,8 @@
 /// `max_connects_in_flight` of its own at a time, so the time to build the
 /// mesh grows with the connections per rank, not with their square (the
 /// chain this replaced, in which a rank accepted only after connecting and
-/// each connection waited for the peer's accept, did). Connecting in increasing rank
+/// each connection waited for the peer's accept, did:
+/// benchmarks/RESULTS.md, "Mesh build time"). Connecting in increasing rank
 /// order also spreads the load: at any moment a rank sees connections from
 /// about `max_connects_in_flight` lower ranks.
 ///
