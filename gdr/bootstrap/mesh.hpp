@@ -40,11 +40,12 @@
 /// connection: the listening sockets exist before any address is published,
 /// the kernel completes TCP handshakes into the listen backlog, and every
 /// rank accepts while it connects. Each rank makes n - 1 connections, at most
-/// `max_connects_in_flight` of its own at a time, so the time to build the
-/// mesh grows with the connections per rank, not with their square (the
-/// chain this replaced, in which a rank accepted only after connecting and
-/// each connection waited for the peer's accept, did:
-/// benchmarks/RESULTS.md, "Mesh build time"). Connecting in increasing rank
+/// `max_connects_in_flight` of its own at a time, so what a rank does and
+/// waits for grows with its connections, not with their square (the chain
+/// this replaced, in which a rank accepted only after connecting and each
+/// connection waited for the peer's accept, did; ranks that share a
+/// machine's cores still add up their work: benchmarks/RESULTS.md, "Mesh
+/// build time"). Connecting in increasing rank
 /// order also spreads the load: at any moment a rank sees connections from
 /// about `max_connects_in_flight` lower ranks.
 ///

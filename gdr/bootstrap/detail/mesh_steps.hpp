@@ -35,8 +35,8 @@ namespace gdr::bootstrap::detail {
 /// magic, session id, (rank | world size << 32).
 inline constexpr std::uint64_t mesh_hello_magic = 0x3148'534d'5244'4701ull;
 inline constexpr std::size_t mesh_hello_size = 24;
-/// How long an accepted connection may take to say hello before it is
-/// dropped (a stray client must not hold a slot for long).
+/// How long a connection the lazy mesh accepted may take to say hello
+/// before it is dropped (a stray client must not keep a coroutine for long).
 inline constexpr std::chrono::milliseconds hello_bound{5000};
 
 inline std::vector<std::byte> bytes_of(const std::string& s) {
