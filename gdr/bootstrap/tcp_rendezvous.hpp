@@ -253,22 +253,23 @@ class tcp_rendezvous {
     std::uint64_t h[2];
     // The root's own deadline passes first when a rank is missing, and it
     // then says which: wait a little longer than it does.
-    check(gdr::detail::sock::recv_all(fd, h, sizeof h, deadline + member_grace), with_root,
+    const auto until = deadline + member_grace;
+    check(gdr::detail::sock::recv_all(fd, h, sizeof h, until), with_root,
           " (the root waits for every rank's contribution; its error names those missing)");
-    if (load(h[0]) == abort_magic) fail(with_root + ": the root gave up: " + read_text(fd, load(h[1]), deadline));
+    if (load(h[0]) == abort_magic) fail(with_root + ": the root gave up: " + read_text(fd, load(h[1]), until));
     if (load(h[0]) != result_magic || load(h[1]) != seq_) fail(with_root + ": malformed result");
     std::vector<std::uint64_t> lens(static_cast<std::size_t>(cfg_.world_size));
-    check(gdr::detail::sock::recv_all(fd, lens.data(), lens.size() * 8, deadline), with_root);
+    check(gdr::detail::sock::recv_all(fd, lens.data(), lens.size() * 8, until), with_root);
     for (std::size_t r = 0; r < all.size(); ++r) {
       std::uint64_t n = load(lens[r]);
       if (n > max_contribution) fail(with_root + ": malformed result");
       if (r == static_cast<std::size_t>(cfg_.rank)) {
         std::vector<std::byte> echo(n);
-        check(gdr::detail::sock::recv_all(fd, echo.data(), n, deadline), with_root);
+        check(gdr::detail::sock::recv_all(fd, echo.data(), n, until), with_root);
         continue;
       }
       all[r].resize(n);
-      check(gdr::detail::sock::recv_all(fd, all[r].data(), n, deadline), with_root);
+      check(gdr::detail::sock::recv_all(fd, all[r].data(), n, until), with_root);
     }
     return all;
   }
