@@ -49,6 +49,7 @@
 #include <gdr/transport/tcp.hpp>
 
 // Bootstrap
+#include <gdr/bootstrap/lazy_mesh.hpp>
 #include <gdr/bootstrap/mesh.hpp>
 #include <gdr/bootstrap/rendezvous.hpp>
 #include <gdr/bootstrap/tcp_rendezvous.hpp>

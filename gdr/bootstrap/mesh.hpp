@@ -2,7 +2,9 @@
 /// `gdr::bootstrap::connect_mesh`: one TCP endpoint to every other rank,
 /// built through a rendezvous (TCP or MPI). The steps below are the same
 /// for every transport (`detail::build_mesh`); `gdr::verbs::connect_mesh`
-/// (`gdr/bootstrap/verbs_mesh.hpp`) builds a mesh of verbs endpoints.
+/// (`gdr/bootstrap/verbs_mesh.hpp`) builds a mesh of verbs endpoints. A
+/// mesh whose connections are made on first use instead is
+/// `gdr::bootstrap::lazy_mesh` (`gdr/bootstrap/lazy_mesh.hpp`).
 ///
 /// \code
 ///   auto rv = gdr::bootstrap::tcp_rendezvous::from_env();
@@ -21,17 +23,31 @@
 ///    number becomes the mesh's session id.
 /// 2. Every rank listens on an ephemeral port of its chosen address (below)
 ///    and allgathers "address:port".
-/// 3. Rank i connects to every rank j > i and sends a hello (a magic, the
-///    session id, i and the world size) as its first message; it accepts
-///    i connections and reads each one's hello to learn which lower rank it
-///    is. A connection whose hello is not of this session (a stray client, a
-///    previous job) is closed and not counted.
+/// 3. Every rank, at once: connects to every rank j > i and sends a hello (a
+///    magic, the session id, i and the world size) as its first message,
+///    with at most `mesh_options::max_connects_in_flight` connections under
+///    way (the rest wait for a free one, in increasing rank order); and
+///    accepts i connections, reading each one's hello, all at once, to learn
+///    which lower rank it is. A connection whose hello is not of this
+///    session (a stray client, a previous job) is closed and not counted; a
+///    silent one holds nobody up and is dropped when the step ends. One
+///    deadline (`mesh_options::timeout`) bounds the step; when it passes,
+///    the rank names the lower ranks that did not connect and the higher
+///    ones that did not answer.
 /// 4. A final allgather of each rank's outcome: if any rank failed, every
 ///    rank throws, instead of some ranks waiting on a peer that gave up.
-/// Connecting first and accepting after cannot deadlock: the listening
-/// sockets exist before any address is published, and the kernel completes
-/// the TCP handshakes into the listen backlog whether or not the peer is
-/// accepting yet.
+/// Nothing waits for anything but the peer at the other end of a
+/// connection: the listening sockets exist before any address is published,
+/// the kernel completes TCP handshakes into the listen backlog, and every
+/// rank accepts while it connects. Each rank makes n - 1 connections, at most
+/// `max_connects_in_flight` of its own at a time, so what a rank does and
+/// waits for grows with its connections, not with their square (the chain
+/// this replaced, in which a rank accepted only after connecting and each
+/// connection waited for the peer's accept, did; ranks that share a
+/// machine's cores still add up their work: benchmarks/RESULTS.md, "Mesh
+/// build time"). Connecting in increasing rank
+/// order also spreads the load: at any moment a rank sees connections from
+/// about `max_connects_in_flight` lower ranks.
 ///
 /// Which address a rank listens on: `mesh_options::listen_host`, else
 /// `GDR_MESH_HOST`, else the rendezvous' `address_hint()` (a TCP rendezvous
@@ -40,36 +56,40 @@
 /// address of an interface that is up and not loopback.
 ///
 /// Blocking: the rendezvous collectives block the scheduler's thread (setup
-/// code; nothing else should run on it yet). Every wait is bounded by
-/// `mesh_options::timeout`; failures throw `gdr::error` with
-/// `errc::bootstrap_failed` and say which peer and which step.
+/// code; nothing else should run on it yet). `mesh_options::timeout` bounds
+/// each collective and step 3 as a whole; failures throw `gdr::error` with
+/// `errc::bootstrap_failed` and say which peer and which step (a rank that
+/// does not arrive is named, by the ranks waiting for it in step 3 and by
+/// the rendezvous in a collective).
 ///
 /// Teardown: `co_await m.close()` closes every endpoint in order (flushing
 /// sends); destroying a mesh with open endpoints aborts them (see
 /// `tcp::endpoint`).
 #pragma once
 
-#include <sys/random.h>
-
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <gdr/bootstrap/detail/blocking_socket.hpp>
+#include <gdr/bootstrap/detail/mesh_steps.hpp>
 #include <gdr/bootstrap/rendezvous.hpp>
+#include <gdr/coro/cancel.hpp>
+#include <gdr/coro/scope.hpp>
 #include <gdr/coro/task.hpp>
+#include <gdr/coro/when_all.hpp>
 #include <gdr/error.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/memory/remote_view.hpp>  // detail::store_le64 / load_le64
 #include <gdr/memory/view.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/sched/timer.hpp>
 #include <gdr/transport/tcp/connect.hpp>
 #include <gdr/transport/tcp/endpoint.hpp>
 #include <gdr/transport/tcp/listener.hpp>
@@ -88,8 +108,12 @@ struct mesh_options {
   /// The numeric address to listen on and publish (see the file comment for
   /// what is used when empty).
   std::string listen_host{};
-  /// Bound on each step (each connect, each hello, all the accepts).
+  /// Bound on each step: each collective, and step 3 as a whole (every
+  /// connect, hello and accept of this rank).
   std::chrono::milliseconds timeout{30'000};
+  /// How many of its connections a rank has under way at once (connect and
+  /// hello); the others wait for a free one. At least 1.
+  int max_connects_in_flight = 32;
   /// The registry the endpoints serve peers' put/get from.
   memory_registry* registry = &default_registry();
   /// Options of every endpoint.
@@ -146,172 +170,205 @@ class mesh {
 
 namespace detail {
 
-inline constexpr std::uint64_t mesh_hello_magic = 0x3148'534d'5244'4701ull;
+/// What step 3 of `build_mesh` shares among its coroutines (one scheduler,
+/// one thread: no locks).
+///
+/// One deadline bounds the whole step: a single timer (`watch_deadline`)
+/// stops everything still under way when it passes, and says who is
+/// missing. The connects, hellos and accepts carry no timeout of their own
+/// (an io_uring timeout armed and cancelled per operation costs, at n - 1
+/// connections a rank, more than the step's one); they end on the step's
+/// stop token.
+struct mesh_build {
+  const mesh_table* table;
+  std::chrono::milliseconds timeout;
+  std::chrono::steady_clock::time_point deadline;
+  std::vector<endpoint> peers;
+  std::vector<char> greeting;  // greeting[j]: a connection to higher rank j is under way
+  std::string failure;
+  int next;     // the next higher rank to connect to
+  int missing;  // lower ranks whose hello has not arrived
+  int running;  // connect workers and the accept loop still working
+  linked_stop_source stop_step;       // ends the whole step (and the timer)
+  linked_stop_source stop_accepting;  // ends the accepts (every lower rank is in)
+  task_scope readers{};
 
-inline std::vector<std::byte> bytes_of(const std::string& s) {
-  auto b = std::as_bytes(std::span(s));
-  return {b.begin(), b.end()};
+  mesh_build(const mesh_table& t, std::chrono::milliseconds to, std::stop_token parent)
+      : table(&t), timeout(to), deadline(std::chrono::steady_clock::now() + to),
+        peers(static_cast<std::size_t>(t.size)), greeting(static_cast<std::size_t>(t.size), 0), failure(t.failure),
+        next(t.rank + 1), missing(t.failure.empty() ? t.rank : 0), running(0), stop_step(std::move(parent)),
+        stop_accepting(stop_step.get_token()) {}
+
+  /// The first failure wins; it stops the rest of the step.
+  void fail(std::string why) {
+    if (failure.empty()) failure = std::move(why);
+    readers.request_stop();
+    stop_step.request_stop();
+  }
+  /// A worker or the accept loop is done; the last one ends the timer.
+  void done() {
+    if (--running == 0) stop_step.request_stop();
+  }
+  /// Who is missing when the deadline passes.
+  std::string missing_ranks() const {
+    std::vector<int> lower, higher;
+    for (int i = 0; i < table->rank; ++i)
+      if (!peers[static_cast<std::size_t>(i)].is_open()) lower.push_back(i);
+    for (int j = table->rank + 1; j < table->size; ++j)
+      if (greeting[static_cast<std::size_t>(j)]) higher.push_back(j);
+    std::string s;
+    if (!lower.empty()) s = ranks_list(lower) + " did not connect";
+    if (!higher.empty()) s += (s.empty() ? "" : "; ") + ranks_list(higher) + " did not answer";
+    return s.empty() ? "this rank's connections were not all made" : s;
+  }
+};
+
+/// The step's one timer: at the deadline it fails the step, naming who is
+/// missing; a stop (the step ended) ends it.
+inline task<> watch_deadline(mesh_build& b) {
+  auto t = sleep_until(b.deadline);
+  result<void> r = co_await std::move(t).as_result();
+  if (!r) co_return;
+  b.fail("step 3 (connections): within " + std::to_string(b.timeout.count()) + " ms, " + b.missing_ranks());
 }
-inline std::string string_of(const std::vector<std::byte>& b, std::size_t from = 0) {
-  if (from > b.size()) from = b.size();
-  return {reinterpret_cast<const char*>(b.data()) + from, b.size() - from};
+
+/// One of `max_connects_in_flight` workers: connects to the next higher
+/// rank and greets it, until none is left or something failed.
+template <class Net>
+task<> connect_higher(mesh_build& b, Net& net) {
+  const mesh_table& t = *b.table;
+  const auto hello = mesh_hello(t.session, t.rank, t.size);
+  while (b.failure.empty() && b.next < t.size) {
+    const int j = b.next++;
+    const std::string& where = t.where[static_cast<std::size_t>(j)];
+    b.greeting[static_cast<std::size_t>(j)] = 1;
+    auto conn = net.connect(where, std::chrono::milliseconds(0));
+    auto ep = co_await std::move(conn);
+    if (!ep) {
+      b.fail("step 3 (connections): connecting to rank " + std::to_string(j) + " at " + where + ": " +
+             ep.error().message());
+      break;
+    }
+    // Completes once the peer's endpoint said hello: once it accepted.
+    auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()));
+    result<std::size_t> sent = co_await std::move(send).as_result();
+    if (!sent) {
+      b.fail("step 3 (connections): greeting rank " + std::to_string(j) + " at " + where + ": " +
+             sent.error().message());
+      break;
+    }
+    b.greeting[static_cast<std::size_t>(j)] = 0;
+    b.peers[static_cast<std::size_t>(j)] = std::move(*ep);
+  }
+  b.done();
 }
 
-/// op_options with a timeout, made outside any co_await expression (GCC 12
-/// destroys a braced op_options temporary there twice; see tcp/endpoint.hpp).
-inline op_options timeout_options(std::chrono::milliseconds t) {
-  op_options o;
-  o.timeout = t;
-  return o;
+/// Reads the hello of one accepted connection and keeps it as the lower
+/// rank it names, or closes it. A silent connection waits here, holding
+/// nobody up, until the step ends.
+inline task<> read_mesh_hello(mesh_build& b, endpoint ep) {
+  const mesh_table& t = *b.table;
+  std::array<std::byte, mesh_hello_size + 8> h{};
+  auto recv = ep.recv(gdr::view<std::byte, Host>(h.data(), h.size()));
+  result<std::size_t> got = co_await std::move(recv).as_result();
+  const int r = got ? mesh_hello_rank(h, *got, t.session, t.size, t.rank) : -1;
+  if (r >= 0 && r < t.rank && !b.peers[static_cast<std::size_t>(r)].is_open() && b.failure.empty()) {
+    b.peers[static_cast<std::size_t>(r)] = std::move(ep);
+    if (--b.missing == 0) {
+      // Everyone is here: the accept still pending, and hellos still being
+      // read (stray clients), are not needed any more.
+      b.stop_accepting.request_stop();
+      b.readers.request_stop();
+    }
+    co_return;
+  }
+  // Not a rank of this mesh (or a duplicate): drop it.
+  auto bye = ep.close(timeout_options(std::chrono::milliseconds(1000)));
+  result<std::size_t> closed = co_await std::move(bye).as_result();
+  (void)closed;  // whatever it was, it is gone
 }
 
-[[noreturn]] inline void mesh_fail(int rank, const std::string& what) {
-  throw error(errc::bootstrap_failed, "gdr::bootstrap::connect_mesh (rank " + std::to_string(rank) + "): " + what);
+/// Accepts until every lower rank is in, handing each connection to a
+/// reader of its own (so that a silent one holds nobody up).
+template <class Net>
+task<> accept_lower(mesh_build& b, Net& net) {
+  while (b.missing > 0 && b.failure.empty()) {
+    auto acc = with_stop_token(b.stop_accepting.get_token(), net.accept(std::chrono::milliseconds(0)));
+    auto ep = co_await std::move(acc);
+    if (b.missing == 0 || !b.failure.empty()) break;  // stopped: done, or failed elsewhere
+    if (!ep) {
+      b.fail("step 3 (connections): accepting: " + ep.error().message());
+      break;
+    }
+    b.readers.spawn(read_mesh_hello(b, endpoint(std::move(*ep))));
+  }
+  co_await b.readers.join();
+  b.done();
 }
 
-}  // namespace detail
-
-/// Builds the mesh through `rv` (see the file comment). Collective: every
-/// rank calls it with the same `rv` world. Throws `gdr::error`
-/// (`errc::bootstrap_failed`).
-namespace detail {
-
-/// The address a rank listens on and publishes (see the file comment).
-template <rendezvous R>
-std::string listen_host(R& rv, const std::string& configured, bool one_host) {
-  std::string host = configured;
-  if (host.empty())
-    if (const char* env = std::getenv("GDR_MESH_HOST")) host = env;
-  if (host.empty()) host = rv.address_hint();
-  if (host.empty()) host = one_host ? "127.0.0.1" : gdr::detail::sock::first_external_ipv4();
-  if (host.empty()) host = "127.0.0.1";
-  return host;
-}
+/// Bounds of `build_mesh`.
+struct mesh_limits {
+  std::chrono::milliseconds timeout{30'000};
+  int max_connects_in_flight = 32;
+};
 
 /// Builds a mesh over the transport `net` stands for (the steps of the file
 /// comment). `Net` gives:
 ///   * `std::string listen(const std::string& host)`: listens on `host`
 ///     (any port); returns why it could not, or nothing;
 ///   * `std::string published() const`: what other ranks connect to;
-///   * `task<result<E>> connect(const std::string& where, std::chrono::milliseconds)`
-///     and `task<result<E>> accept(std::chrono::milliseconds)`, `E` an
-///     endpoint of the transport (converts to `gdr::endpoint`);
-///   * `void close()`: stops listening.
+///   * `task<result<E>> connect(const std::string& where, std::chrono::milliseconds t)`
+///     and `task<result<E>> accept(std::chrono::milliseconds t)`, `E` an
+///     endpoint of the transport (converts to `gdr::endpoint`), bounded by
+///     `t` (zero: by nothing but a stop request on the awaiting coroutine's
+///     token); several connects may be under way at once, beside one
+///     accept;
+///   * `void close()`: stops listening (no accept is under way then).
 template <rendezvous R, class Net>
-task<mesh> build_mesh(R& rv, std::string configured_host, std::chrono::milliseconds timeout, Net& net) {
-  const int me = rv.rank(), n = rv.size();
-  // 1. Host names and the session id.
-  std::uint64_t nonce = 0;
-  while (nonce == 0)
-    if (::getrandom(&nonce, sizeof nonce, 0) != static_cast<ssize_t>(sizeof nonce)) nonce = 0x9e3779b97f4a7c15ull;
-  std::vector<std::byte> intro(8);
-  gdr::detail::store_le64(intro.data(), nonce);
-  std::string host_name = gdr::detail::sock::host_name();
-  auto name_bytes = detail::bytes_of(host_name);
-  intro.insert(intro.end(), name_bytes.begin(), name_bytes.end());
-  auto intros = rv.allgather(intro);
-  const std::uint64_t session = gdr::detail::load_le64(intros[0].data());
-  bool one_host = true;
-  for (const auto& i : intros) one_host &= i.size() >= 8 && detail::string_of(i, 8) == host_name;
+task<mesh> build_mesh(R& rv, std::string configured_host, mesh_limits lim, Net& net) {
+  static constexpr const char* who = "connect_mesh";
+  // 1, 2. Introductions, listening addresses.
+  const mesh_table t = introduce_and_publish(rv, net, who, configured_host);
 
-  // 2. Listen and publish.
-  std::string failure = net.listen(listen_host(rv, configured_host, one_host));
-  // A rank that cannot listen publishes nothing; every rank then skips to
-  // the final allgather, where the failure is reported to all.
-  auto addrs = rv.allgather(detail::bytes_of(failure.empty() ? net.published() : std::string()));
-  for (int r = 0; r < n && failure.empty(); ++r)
-    if (addrs[static_cast<std::size_t>(r)].empty()) failure = "rank " + std::to_string(r) + " could not listen";
-
-  std::vector<endpoint> peers(static_cast<std::size_t>(n));
-  auto hello_for = [&](int rank) {
-    std::vector<std::byte> h(24);
-    gdr::detail::store_le64(h.data(), detail::mesh_hello_magic);
-    gdr::detail::store_le64(h.data() + 8, session);
-    gdr::detail::store_le64(h.data() + 16, static_cast<std::uint64_t>(rank) | static_cast<std::uint64_t>(n) << 32);
-    return h;
-  };
-
-  // 3a. Connect to every higher rank and introduce ourselves.
-  const std::vector<std::byte> hello = hello_for(me);
-  for (int j = me + 1; j < n && failure.empty(); ++j) {
-    const std::string where = detail::string_of(addrs[static_cast<std::size_t>(j)]);
-    auto ep = co_await net.connect(where, timeout);
-    if (!ep) {
-      failure = "connecting to rank " + std::to_string(j) + " at " + where + ": " + ep.error().message();
-      break;
-    }
-    auto send = ep->send(gdr::view<const std::byte, Host>(hello.data(), hello.size()), detail::timeout_options(timeout));
-    result<std::size_t> sent = co_await std::move(send).as_result();
-    if (!sent) {
-      failure = "greeting rank " + std::to_string(j) + " at " + where + ": " + sent.error().message();
-      break;
-    }
-    peers[static_cast<std::size_t>(j)] = std::move(*ep);
-  }
-
-  // 3b. Accept every lower rank; its hello says which one it is.
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  int missing = failure.empty() ? me : 0;
-  while (missing > 0) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      failure = "waited " + std::to_string(timeout.count()) + " ms for " + std::to_string(missing) +
-                " lower ranks to connect";
-      break;
-    }
-    auto ep = co_await net.accept(left);
-    if (!ep) {
-      failure = "accepting: " + ep.error().message();
-      break;
-    }
-    std::array<std::byte, 32> h{};
-    // A silent client must not hold the mesh for long.
-    auto recv = ep->recv(gdr::view<std::byte, Host>(h.data(), h.size()),
-                         detail::timeout_options(std::min(left, std::chrono::milliseconds(5000))));
-    result<std::size_t> got = co_await std::move(recv).as_result();
-    const std::uint64_t who = got ? gdr::detail::load_le64(h.data() + 16) : 0;
-    const auto r = static_cast<std::size_t>(who & 0xffff'ffff);
-    const bool ours = got && *got == 24 && gdr::detail::load_le64(h.data()) == detail::mesh_hello_magic &&
-                      gdr::detail::load_le64(h.data() + 8) == session && (who >> 32) == static_cast<std::uint64_t>(n) &&
-                      r < static_cast<std::size_t>(me) && !peers[r].is_open();
-    if (!ours) {
-      // Not a rank of this mesh (or a duplicate): drop it, keep waiting.
-      auto bye = ep->close(detail::timeout_options(std::chrono::milliseconds(1000)));
-      result<std::size_t> closed = co_await std::move(bye).as_result();
-      (void)closed;  // whatever it was, it is gone
-      continue;
-    }
-    peers[r] = std::move(*ep);
-    --missing;
+  // 3. Connect to the higher ranks and accept the lower ones, at once. (A
+  // rank that could not listen, or learnt that another could not, skips to
+  // step 4, where the failure reaches every rank.)
+  std::stop_token parent = co_await this_stop_token;
+  mesh_build b(t, lim.timeout, std::move(parent));
+  if (b.failure.empty()) {
+    std::vector<task<>> work;
+    const int workers = std::min(std::max(lim.max_connects_in_flight, 1), t.size - 1 - t.rank);
+    b.running = workers + 1;
+    for (int w = 0; w < workers; ++w) work.push_back(connect_higher(b, net));
+    work.push_back(accept_lower(b, net));
+    work.push_back(watch_deadline(b));
+    co_await with_stop_token(b.stop_step.get_token(), when_all(std::move(work)));
   }
   net.close();
 
   // 4. Everyone's outcome, so that no rank waits on a peer that gave up.
-  std::vector<std::byte> outcome = detail::bytes_of(failure);
   std::vector<std::vector<std::byte>> outcomes;
-  std::string rv_error;
+  std::string report = b.failure;
   try {
-    outcomes = rv.allgather(outcome);
+    outcomes = gather_step(rv, bytes_of(b.failure), who, "step 4 (every rank's outcome)");
   } catch (const error& e) {
-    rv_error = e.what();
+    if (report.empty()) report = reason_of(e);
   }
-  std::string report = failure;
-  if (report.empty() && !rv_error.empty()) report = "final allgather: " + rv_error;
   for (int r = 0; r < static_cast<int>(outcomes.size()) && report.empty(); ++r)
     if (!outcomes[static_cast<std::size_t>(r)].empty())
-      report = "rank " + std::to_string(r) + " failed: " + detail::string_of(outcomes[static_cast<std::size_t>(r)]);
-  mesh m(me, std::move(peers));
+      report = "rank " + std::to_string(r) + " failed: " + string_of(outcomes[static_cast<std::size_t>(r)]);
+  mesh m(t.rank, std::move(b.peers));
   if (!report.empty()) {
     try {
       co_await m.close();
     } catch (const error&) {
       // Reporting the mesh failure matters more than a close failure.
     }
-    detail::mesh_fail(me, report);
+    if (report.rfind(mesh_prefix(who, t.rank, t.size), 0) == 0) throw error(errc::bootstrap_failed, report);
+    mesh_fail(who, t.rank, t.size, report);
   }
   co_return m;
 }
-
 
 /// The TCP side of `build_mesh`.
 struct tcp_net {
@@ -346,11 +403,16 @@ struct tcp_net {
 
 }  // namespace detail
 
-/// Builds the mesh over TCP (see the file comment).
+/// Builds the mesh over TCP through `rv` (see the file comment).
+/// Collective: every rank calls it with the same `rv` world. Throws
+/// `gdr::error` (`errc::bootstrap_failed`).
 template <rendezvous R>
 task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
   detail::tcp_net net{&sched, &opts};
-  co_return co_await detail::build_mesh(rv, opts.listen_host, opts.timeout, net);
+  detail::mesh_limits lim;
+  lim.timeout = opts.timeout;
+  lim.max_connects_in_flight = opts.max_connects_in_flight;
+  co_return co_await detail::build_mesh(rv, opts.listen_host, lim, net);
 }
 
 }  // namespace gdr::bootstrap

@@ -3,8 +3,9 @@
 /// over RDMA verbs: one RC endpoint to every other rank, set up through
 /// rdma_cm, after the same rendezvous (TCP, or MPI under `mpirun`/`srun`)
 /// and the same steps: a session id, listen and publish, connect to every
-/// higher rank and greet it, accept every lower one, and a final allgather
-/// so that every rank fails when one does.
+/// higher rank and greet it while accepting every lower one (at once, at
+/// most `mesh_options::max_connects_in_flight` connections of a rank's own
+/// under way), and a final allgather so that every rank fails when one does.
 ///
 /// \code
 ///   auto rv = gdr::bootstrap::tcp_rendezvous::from_env();
@@ -48,8 +49,13 @@ struct mesh_options {
   /// This rank's numeric address on its RDMA device (see the file comment
   /// for what is used when empty).
   std::string listen_host{};
-  /// Bound on each step (each connect, each hello, all the accepts).
+  /// Bound on each step: each collective, and the connections as a whole.
   std::chrono::milliseconds timeout{30'000};
+  /// How many of its connections a rank has under way at once; the others
+  /// wait for a free one. At least 1. (Ranks connect in increasing order,
+  /// so a rank sees requests from about this many lower ranks at a time,
+  /// within the listener's rdma_cm backlog of 64.)
+  int max_connects_in_flight = 32;
   /// The registry the endpoints serve peers' put/get from.
   memory_registry* registry = &default_registry();
   /// Options of every endpoint.
@@ -77,11 +83,19 @@ struct mesh_net {
     return {};
   }
   std::string published() const { return bracket(host) + ":" + std::to_string(l->port()); }
-  task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
-    co_return co_await try_with_timeout(t, verbs::connect(*sched, where, bracket(host) + ":0", *opts->registry,
-                                                          opts->endpoint));
+  // `t` zero: no bound of its own (build_mesh's step has one deadline).
+  static task<result<endpoint>> bounded(std::chrono::milliseconds t, task<endpoint> op) {
+    if (t.count() > 0) co_return co_await try_with_timeout(t, std::move(op));
+    try {
+      co_return co_await std::move(op);
+    } catch (const error& e) {
+      co_return e.code();
+    }
   }
-  task<result<endpoint>> accept(std::chrono::milliseconds t) { co_return co_await try_with_timeout(t, l->accept()); }
+  task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
+    return bounded(t, verbs::connect(*sched, where, bracket(host) + ":0", *opts->registry, opts->endpoint));
+  }
+  task<result<endpoint>> accept(std::chrono::milliseconds t) { return bounded(t, l->accept()); }
   void close() { l.reset(); }
 };
 
@@ -96,7 +110,10 @@ task<bootstrap::mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = 
   if (host.empty()) host = rv.address_hint();
   if (host.empty() || host == "127.0.0.1" || host == "::1") host = gdr::detail::sock::first_external_ipv4();
   detail::mesh_net net{&sched, &opts};
-  co_return co_await bootstrap::detail::build_mesh(rv, host, opts.timeout, net);
+  bootstrap::detail::mesh_limits lim;
+  lim.timeout = opts.timeout;
+  lim.max_connects_in_flight = opts.max_connects_in_flight;
+  co_return co_await bootstrap::detail::build_mesh(rv, host, lim, net);
 }
 
 }  // namespace gdr::verbs

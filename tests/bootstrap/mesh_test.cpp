@@ -1,5 +1,6 @@
-// gdr/bootstrap/mesh.hpp: four ranks in forked processes on 127.0.0.1 build
-// a TCP mesh through the TCP rendezvous and exchange checksummed messages.
+// gdr/bootstrap/mesh.hpp: ranks in forked processes on 127.0.0.1 build a
+// TCP mesh through the TCP rendezvous and exchange checksummed messages; a
+// rank that fails is named, with the step, by every other rank.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -7,7 +8,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gdr/bootstrap/mesh.hpp>
@@ -37,6 +41,23 @@ bs::mesh_options short_timeouts(std::chrono::milliseconds t) {
   bs::mesh_options o;
   o.timeout = t;
   return o;
+}
+
+// Builds the mesh, which must fail with bootstrap_failed and a message that
+// holds every one of `says`.
+gdr_test::rank_exit fails_naming(gdr::scheduler& sched, bs::tcp_rendezvous& rv, const bs::mesh_options& o,
+                 std::initializer_list<const char*> says) {
+  try {
+    gdr::sync_wait(sched, bs::connect_mesh(sched, rv, o));
+  } catch (const gdr::error& e) {
+    bool all = e.code() == gdr::errc::bootstrap_failed;
+    for (const char* s : says) all = all && std::strstr(e.what(), s) != nullptr;
+    if (all) return gdr_test::rank_bootstrap_failed;
+    std::fprintf(stderr, "rank %d: unexpected: %s\n", rv.rank(), e.what());
+    return gdr_test::rank_failed;
+  }
+  std::fprintf(stderr, "rank %d: the mesh was built\n", rv.rank());
+  return gdr_test::rank_failed;
 }
 
 }  // namespace
@@ -74,7 +95,7 @@ TEST_CASE("a mesh of one rank has no peers") {
   }());
 }
 
-TEST_CASE("a rank that leaves before the mesh makes every other rank fail within the timeout") {
+TEST_CASE("a rank that leaves before the mesh makes every other rank fail within the timeout, naming it") {
   std::uint16_t port = 0;
   int lfd = gdr_test::listen_loopback(port);
   REQUIRE(lfd >= 0);
@@ -83,12 +104,83 @@ TEST_CASE("a rank that leaves before the mesh makes every other rank fail within
     bs::tcp_rendezvous rv = join(rank, 3, port, lfd, 3s);
     if (rank == 2) return gdr_test::rank_ok;  // joins the rendezvous, never the mesh
     gdr::scheduler sched;
-    gdr::sync_wait(sched, bs::connect_mesh(sched, rv, short_timeouts(3s)));
-    return gdr_test::rank_failed;  // must not get here
+    return fails_naming(sched, rv, short_timeouts(3s), {"rank 2 left during connect_mesh step 1 (introductions)"});
   });
   ::close(lfd);
   CHECK(codes == std::vector<int>{gdr_test::rank_bootstrap_failed, gdr_test::rank_bootstrap_failed, gdr_test::rank_ok});
   CHECK(std::chrono::steady_clock::now() - t0 < 30s);
+}
+
+TEST_CASE("a rank that stays but never builds the mesh is named, with the step, by every other rank") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(4), 60s, [&](int rank) {
+    bs::tcp_rendezvous rv = join(rank, 4, port, lfd, 1500ms);
+    if (rank == 2) {  // alive, silent
+      std::this_thread::sleep_for(5s);
+      return gdr_test::rank_ok;
+    }
+    gdr::scheduler sched;
+    return fails_naming(sched, rv, short_timeouts(1500ms),
+                        {"step 1 (introductions)", "rank 2 did not contribute to connect_mesh step 1 (introductions)"});
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>{gdr_test::rank_bootstrap_failed, gdr_test::rank_bootstrap_failed, gdr_test::rank_ok,
+                                  gdr_test::rank_bootstrap_failed});
+}
+
+TEST_CASE("a rank that publishes an address but never connects nor accepts is named in step 3 by every other rank") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(4), 60s, [&](int rank) {
+    bs::tcp_rendezvous rv = join(rank, 4, port, lfd, 10s);
+    if (rank == 2) {
+      // Takes part in the collectives as a mesh rank would, but its
+      // published port is a socket nobody accepts on.
+      std::uint16_t dead_port = 0;
+      int dead = gdr_test::listen_loopback(dead_port);
+      std::vector<std::byte> intro(8, std::byte{1});
+      (void)rv.allgather(intro);
+      const std::string where = "127.0.0.1:" + std::to_string(dead_port);
+      (void)rv.allgather(std::as_bytes(std::span(where)));
+      auto outcomes = rv.allgather({});
+      ::close(dead);
+      return outcomes.size() == 4 ? gdr_test::rank_ok : gdr_test::rank_failed;
+    }
+    gdr::scheduler sched;
+    // The lower ranks cannot greet it; the higher one waits for it to connect.
+    const char* says = rank < 2 ? "step 3 (connections): within 1500 ms, rank 2 did not answer"
+                                : "step 3 (connections): within 1500 ms, rank 2 did not connect";
+    return fails_naming(sched, rv, short_timeouts(1500ms), {says});
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>{gdr_test::rank_bootstrap_failed, gdr_test::rank_bootstrap_failed, gdr_test::rank_ok,
+                                  gdr_test::rank_bootstrap_failed});
+  CHECK(std::chrono::steady_clock::now() - t0 < 20s);
+}
+
+TEST_CASE("twelve ranks build a mesh with at most two connections of each under way") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  constexpr int world = 12;
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(world), 120s, [&](int rank) {
+    bs::tcp_rendezvous rv = join(rank, world, port, lfd);
+    gdr::scheduler sched;
+    bs::mesh_options o;
+    o.max_connects_in_flight = 2;
+    int bad = gdr::sync_wait(sched, [&]() -> gdr::task<int> {
+      bs::mesh m = co_await bs::connect_mesh(sched, rv, o);
+      co_return co_await gdr_test::check_mesh(m, rv, rank, world);
+    }());
+    sched.drain();
+    return bad == 0 ? gdr_test::rank_ok : gdr_test::rank_failed;
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>(world, gdr_test::rank_ok));
 }
 
 TEST_CASE("a rank that cannot listen makes every rank fail with its reason") {

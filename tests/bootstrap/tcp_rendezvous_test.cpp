@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gdr/bootstrap/tcp_rendezvous.hpp>
@@ -25,8 +26,9 @@ using gdr_test::rank_ok;
 namespace {
 
 bs::tcp_rendezvous_config config(int rank, int world, std::uint16_t port, int listen_fd,
-                                 std::chrono::milliseconds timeout = 10s) {
+                                 std::chrono::milliseconds timeout = 10s, std::string job = {}) {
   bs::tcp_rendezvous_config c;
+  c.job_id = std::move(job);
   c.root_host = "127.0.0.1";
   c.root_port = port;
   c.rank = rank;
@@ -112,8 +114,11 @@ TEST_CASE("a rank that never shows up makes rank 0 fail within the timeout, nami
       rv.barrier();
     } catch (const gdr::error& e) {
       if (e.code() != gdr::errc::bootstrap_failed) throw;
-      // Rank 0 names the missing rank; rank 1 learns that the root went away.
-      if (rank == 0 && std::strstr(e.what(), "missing: 2") == nullptr) return gdr_test::rank_failed;
+      // Rank 0 names the missing rank, and tells rank 1, which names it too.
+      if (std::strstr(e.what(), "missing: 2") == nullptr) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+        return gdr_test::rank_failed;
+      }
       return rank_bootstrap_failed;
     }
     return rank_ok;
@@ -161,8 +166,15 @@ TEST_CASE("ranks that disagree on the world size fail at once") {
   int lfd = gdr_test::listen_loopback(port);
   REQUIRE(lfd >= 0);
   auto codes = gdr_test::run_ranks({0, 1}, 30s, [&](int rank) {
-    bs::tcp_rendezvous rv(config(rank, rank == 0 ? 2 : 3, port, lfd, 5s));
-    rv.barrier();
+    try {
+      bs::tcp_rendezvous rv(config(rank, rank == 0 ? 2 : 3, port, lfd, 5s));
+      rv.barrier();
+    } catch (const gdr::error& e) {
+      // Both say why: rank 0 tells rank 1.
+      if (std::strstr(e.what(), "rank 1 says the world has 3 ranks, rank 0 says 2") != nullptr) throw;
+      std::fprintf(stderr, "rank %d: unexpected: %s\n", rank, e.what());
+      return gdr_test::rank_failed;
+    }
     return rank_ok;
   });
   ::close(lfd);
@@ -197,6 +209,7 @@ TEST_CASE("the configuration comes from GDR_ROOT, GDR_RANK and GDR_WORLD_SIZE") 
   ::setenv("GDR_RANK", "2", 1);
   ::setenv("GDR_WORLD_SIZE", "5", 1);
   ::setenv("GDR_BOOTSTRAP_TIMEOUT_MS", "1500", 1);
+  ::setenv("GDR_JOB_ID", "run-17", 1);
   auto c = bs::tcp_rendezvous_config::from_env();
   REQUIRE(c.has_value());
   CHECK(c->root_host == "10.1.2.3");
@@ -204,6 +217,7 @@ TEST_CASE("the configuration comes from GDR_ROOT, GDR_RANK and GDR_WORLD_SIZE") 
   CHECK(c->rank == 2);
   CHECK(c->world_size == 5);
   CHECK(c->timeout == 1500ms);
+  CHECK(c->job_id == "run-17");
   ::setenv("GDR_ROOT", "[::1]:80", 1);
   CHECK(bs::tcp_rendezvous_config::from_env()->root_host == "::1");
   ::setenv("GDR_RANK", "5", 1);  // not below the world size
@@ -226,8 +240,137 @@ TEST_CASE("the configuration comes from GDR_ROOT, GDR_RANK and GDR_WORLD_SIZE") 
   REQUIRE(o.has_value());
   CHECK(o->rank == 3);
   CHECK(o->world_size == 4);
-  for (const char* v : {"GDR_ROOT", "GDR_BOOTSTRAP_TIMEOUT_MS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"})
+  for (const char* v : {"GDR_ROOT", "GDR_BOOTSTRAP_TIMEOUT_MS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "GDR_JOB_ID"})
     ::unsetenv(v);
+}
+
+TEST_CASE("the job id comes from GDR_JOB_ID, else from the launcher") {
+  for (const char* v : {"GDR_JOB_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"})
+    ::unsetenv(v);
+  CHECK(bs::tcp_rendezvous_config::job_id_from_env().empty());
+  ::setenv("PMIX_NAMESPACE", "ns7", 1);
+  CHECK(bs::tcp_rendezvous_config::job_id_from_env() == "pmix:ns7");
+  ::setenv("OMPI_MCA_ess_base_jobid", "1645412353", 1);
+  CHECK(bs::tcp_rendezvous_config::job_id_from_env() == "ompi:1645412353");
+  ::setenv("SLURM_JOB_ID", "4242", 1);
+  CHECK(bs::tcp_rendezvous_config::job_id_from_env() == "slurm:4242");
+  ::setenv("SLURM_STEP_ID", "3", 1);
+  CHECK(bs::tcp_rendezvous_config::job_id_from_env() == "slurm:4242.3");
+  ::setenv("GDR_JOB_ID", "mine", 1);
+  CHECK(bs::tcp_rendezvous_config::job_id_from_env() == "mine");
+  for (const char* v : {"GDR_JOB_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"})
+    ::unsetenv(v);
+  const std::string a = bs::tcp_rendezvous_config::new_job_id(), b = bs::tcp_rendezvous_config::new_job_id();
+  CHECK(a.size() == 16);
+  CHECK(a != b);
+  CHECK_THROWS_AS(bs::tcp_rendezvous(config(0, 1, 0, -1, 1s, std::string(300, 'x'))), gdr::error);
+}
+
+TEST_CASE("a stale process of an earlier job is refused with a clear error and the new job forms") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  constexpr int stale_same_world = 10, stale_other_world = 11;
+  // World of 2, job "new". Two processes of job "old" (one that also has
+  // another world size) reach the root before the real rank 1 does.
+  auto t0 = std::chrono::steady_clock::now();
+  auto codes = gdr_test::run_ranks({0, 1, stale_same_world, stale_other_world}, 30s, [&](int who) {
+    if (who >= stale_same_world) {
+      try {
+        bs::tcp_rendezvous rv(config(1, who == stale_same_world ? 2 : 5, port, lfd, 5s, "old"));
+        rv.barrier();
+      } catch (const gdr::error& e) {
+        const bool clear = std::strstr(e.what(), "job 'new'") != nullptr && std::strstr(e.what(), "job 'old'") != nullptr;
+        if (e.code() == gdr::errc::bootstrap_failed && clear) return rank_bootstrap_failed;
+        std::fprintf(stderr, "stale process: unexpected: %s\n", e.what());
+      }
+      return gdr_test::rank_failed;
+    }
+    if (who == 1) std::this_thread::sleep_for(400ms);  // the stale ones knock first
+    bs::tcp_rendezvous rv(config(who, 2, port, lfd, 5s, "new"));
+    RANK_CHECK(rv.job_id() == "new");
+    auto all = rv.allgather(contribution(who, 1));
+    RANK_CHECK(all[0] == contribution(0, 1) && all[1] == contribution(1, 1));
+    rv.barrier();
+    return rank_ok;
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>{rank_ok, rank_ok, rank_bootstrap_failed, rank_bootstrap_failed});
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+}
+
+TEST_CASE("silent connections to the root's port do not hold up the ranks") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  // Four clients that connect and never say anything, before any rank. The
+  // root gives each 5 s of its own to say hello; one at a time they would
+  // use up the 3 s deadline.
+  std::vector<int> silent;
+  for (int i = 0; i < 4; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    silent.push_back(fd);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(3), 30s, [&](int rank) {
+    bs::tcp_rendezvous rv(config(rank, 3, port, lfd, 3s));
+    rv.barrier();
+    return rank_ok;
+  });
+  auto took = std::chrono::steady_clock::now() - t0;
+  for (int fd : silent) ::close(fd);
+  ::close(lfd);
+  CHECK(codes == std::vector<int>(3, rank_ok));
+  CHECK(took < 2s);
+}
+
+TEST_CASE("a rank that does not contribute is named, with the step, on every rank") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(4), 30s, [&](int rank) {
+    bs::tcp_rendezvous rv(config(rank, 4, port, lfd, 1s));
+    rv.barrier();
+    if (rank == 2) {  // alive, but never enters the step
+      std::this_thread::sleep_for(4s);
+      return rank_ok;
+    }
+    try {
+      (void)rv.allgather(contribution(rank, 2), "the exchange of step 7");
+    } catch (const gdr::error& e) {
+      const bool names_it = std::strstr(e.what(), "rank 2 did not contribute to the exchange of step 7") != nullptr;
+      if (e.code() == gdr::errc::bootstrap_failed && names_it) return rank_bootstrap_failed;
+      std::fprintf(stderr, "rank %d: unexpected: %s\n", rank, e.what());
+    }
+    return gdr_test::rank_failed;
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>{rank_bootstrap_failed, rank_bootstrap_failed, rank_ok, rank_bootstrap_failed});
+}
+
+TEST_CASE("a rank that exits during a collective is named on every rank") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(3), 30s, [&](int rank) {
+    bs::tcp_rendezvous rv(config(rank, 3, port, lfd, 5s));
+    if (rank == 1) return rank_ok;  // leaves
+    try {
+      rv.barrier("the final barrier");
+    } catch (const gdr::error& e) {
+      if (std::strstr(e.what(), "rank 1 left during the final barrier") != nullptr) return rank_bootstrap_failed;
+      std::fprintf(stderr, "rank %d: unexpected: %s\n", rank, e.what());
+    }
+    return gdr_test::rank_failed;
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>{rank_bootstrap_failed, rank_ok, rank_bootstrap_failed});
 }
 
 TEST_CASE("a rank outside the world is an invalid argument") {
