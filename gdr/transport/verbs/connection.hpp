@@ -399,6 +399,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   bool needs_flush() const noexcept { return gpudirect_ != nullptr && gpudirect_->needs_flush; }
 
   ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
+  /// The device's GPUDirect flush queue pair, if it has one.
+  ibv_qp* flush_qp() const noexcept { return dq_ != nullptr && dq_->flush ? dq_->flush->qp : nullptr; }
   /// Forgets the cached registrations overlapping the range (every cache
   /// of this connection's device); one a transfer still uses goes
   /// when that transfer ends. Returns how many were dropped.
