@@ -86,6 +86,7 @@
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transfer/common.hpp>
 #include <gdr/transport/verbs/completion.hpp>
+#include <gdr/transport/verbs/credits.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 #include <gdr/transport/verbs/options.hpp>
@@ -147,7 +148,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// The connection is established and the peer's parameters known: say
   /// hello, start watching rdma_cm's events.
   void start(const conn_params& peer) noexcept {
-    peer_rx_ = peer.rx_depth;
+    credits_.start(peer.rx_depth);
     frag_ = std::min<std::size_t>(buf_, peer.buffer_size);
     established_ = true;
     enter();
@@ -595,8 +596,6 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   // ---- send.hpp: send slots, signalling, posting frames (SENDs and RDMA WRITEs), send completions
   static std::size_t sent_bytes(const frame& f) noexcept;
-  std::uint32_t in_flight() const noexcept;
-  bool credit_for(bool credit_only) const noexcept;
   tx_slot* take_tx() noexcept;
   void free_tx(tx_slot* t) noexcept;
   void free_held(tx_slot* t) noexcept;
@@ -680,11 +679,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   int tx_busy_ = 0;
 
   // credits
-  std::uint32_t peer_rx_ = 2;      // the peer's receive buffers
-  std::uint32_t sent_ = 0;         // SENDs and WRITE_WITH_IMMs posted (each takes one)
-  std::uint32_t peer_granted_ = 0; // the peer's latest grant
-  std::uint32_t reposted_ = 0;     // this side's buffers consumed and posted again
-  std::uint32_t granted_ = 0;      // the grant last sent
+  credit_ledger credits_{};        // the peer's buffers this side may consume, and this side's owed
   int rx_outstanding_ = 0;         // receive work requests posted
 
   // receive side

@@ -46,7 +46,7 @@ inline void connection::repost(std::uint32_t i) noexcept {
     if (!failed()) on_link_failed(ec);
     return;
   }
-  ++reposted_;
+  credits_.reposted();
 }
 
 inline void connection::on_rx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
@@ -77,7 +77,7 @@ inline void connection::rx_done(rx_slot& slot, const ibv_wc& wc) noexcept {
     }
     wire_header w;
     std::memcpy(&w, b, wire_size);
-    if (after(w.credits, peer_granted_)) peer_granted_ = w.credits;
+    credits_.peer_granted(w.credits);
     if (w.kind == wire_header::credit) {
       repost(slot.index);
     } else {

@@ -27,13 +27,6 @@ inline std::size_t connection::sent_bytes(const frame& f) noexcept {
   return read ? 0 : static_cast<std::size_t>(f.hdr.length);
 }
 
-inline std::uint32_t connection::in_flight() const noexcept { return sent_ - peer_granted_; }
-
-inline bool connection::credit_for(bool credit_only) const noexcept {
-  std::uint32_t limit = credit_only ? peer_rx_ : peer_rx_ - 1;
-  return in_flight() < limit;
-}
-
 inline auto connection::take_tx() noexcept -> tx_slot* {
   tx_slot* t = free_tx_;
   if (t != nullptr) {
@@ -231,10 +224,13 @@ inline int connection::post_rdma(frame& f, const remote_dst& r, std::uint64_t of
   auto len = static_cast<std::size_t>(f.hdr.length);
   std::size_t chunk = rdma_chunk(len);
   int nwr = static_cast<int>((len + chunk - 1) / chunk);
-  if (!credit_for(false) || free_tx_ == nullptr || sq_used_ + nwr > sq_depth_) {
-    if (!credit_for(false)) ++stats_.credit_stalls;
+  // Only the request that carries the immediate lands in a receive of the
+  // peer's: a segment before the last takes no credit.
+  if (!credits_.can_consume(tell_at_end ? 1 : 0)) {
+    ++stats_.credit_stalls;
     return 0;
   }
+  if (free_tx_ == nullptr || sq_used_ + nwr > sq_depth_) return 0;
   gdr::verbs::mr_cache& cache = cache_for(f.device, send_cache());
   auto l = register_user(cache, f.payload, len, f.device);
   if (!l) {
@@ -259,7 +255,6 @@ inline int connection::post_rdma(frame& f, const remote_dst& r, std::uint64_t of
   if (!post_send_wrs(wrs, nwr, t)) return 0;  // failed: link_shutdown hands f back
   f.sealed = true;
   f.written = len;
-  ++sent_;
   stats_.write_wrs += static_cast<std::uint64_t>(nwr);
   return 1;
 }
@@ -283,6 +278,9 @@ inline bool connection::post_send_wrs(ibv_send_wr* wrs, int n, tx_slot* t) noexc
     return false;
   }
   sq_used_ += n;
+  // The one place credits are taken: what this chain consumes of the
+  // peer's receive queue (credits.hpp), whatever kind of request it is.
+  credits_.consumed(receives_consumed(wrs));
   ++activity_;
   if (!signaled) {
     unsignaled_wrs_ += n;
@@ -321,7 +319,7 @@ inline bool connection::post_sends(frame& f) noexcept {
   for (;;) {
     bool first = !f.sealed;
     if (!first && f.written == len) return true;
-    if (!credit_for(false)) {
+    if (!credits_.can_consume(1)) {
       ++stats_.credit_stalls;
       return false;
     }
@@ -349,8 +347,7 @@ inline bool connection::post_sends(frame& f) noexcept {
         }
       }
     }
-    w.credits = reposted_;
-    granted_ = reposted_;
+    w.credits = credits_.grant();
     const std::byte* src = f.payload + f.written;
     ibv_sge sge[2]{};
     ibv_send_wr wr{};
@@ -383,7 +380,6 @@ inline bool connection::post_sends(frame& f) noexcept {
     if (!post_send_wrs(&wr, 1, t)) return false;
     f.sealed = true;
     f.written += chunk;
-    ++sent_;
     ++stats_.send_wrs;
     if (last) {
       if (ends_at_post) copied_frame_ = &f;
@@ -396,15 +392,13 @@ inline bool connection::post_sends(frame& f) noexcept {
 /// and nothing else carries them.
 inline void connection::maybe_send_credits() noexcept {
   if (!established_ || shut_ || failed()) return;
-  std::uint32_t owed = reposted_ - granted_;
-  if (owed == 0 || owed < rx_n_ / 2) return;
-  if (tx_.head != nullptr && credit_for(false)) return;  // the next frame carries them
-  if (!credit_for(true) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
+  // The next frame carries them if it has the credit to go.
+  if (!credits_.credit_message_due(rx_n_, tx_.head != nullptr && credits_.can_consume(1))) return;
+  if (!credits_.can_consume(1, true) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
   tx_slot* t = take_tx();
   wire_header w;
   w.kind = wire_header::credit;
-  w.credits = reposted_;
-  granted_ = reposted_;
+  w.credits = credits_.grant();
   std::memcpy(t->buf, &w, wire_size);
   ibv_sge sge{};
   sge.addr = reinterpret_cast<std::uintptr_t>(t->buf);
@@ -419,7 +413,6 @@ inline void connection::maybe_send_credits() noexcept {
   wr.sg_list = &sge;
   wr.num_sge = 1;
   if (!post_send_wrs(&wr, 1, t)) return;
-  ++sent_;
   ++stats_.credit_messages;
 }
 

@@ -110,9 +110,6 @@ constexpr std::uint32_t imm_of(bool get_reply, std::uint64_t token) noexcept {
   return (get_reply ? 0x80000000u : 0u) | (static_cast<std::uint32_t>(token) & 0x7fffffffu);
 }
 
-/// `a` is later than `b` in 32-bit serial arithmetic.
-constexpr bool after(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(a - b) > 0; }
-
 /// Maps a failed work completion to the endpoint's error.
 inline std::error_code wc_error(ibv_wc_status s) noexcept {
   switch (s) {
