@@ -236,10 +236,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     bool read = false;          // an RDMA READ of a put being served
     std::size_t read_bytes = 0; // ... of this many bytes
     std::byte* buf = nullptr;   // this slot's bounce buffer
-    gdr::verbs::mr_cache::lease lease{};  // the RDMA source's registration
-    gdr::verbs::mr_cache* lease_cache = nullptr;  // ... and its cache
-    const std::byte* lease_addr = nullptr;
-    std::size_t lease_len = 0;
+    gdr::verbs::registration_hold src{};  // the RDMA source's registration
     tx_slot* next_free = nullptr;
   };
   /// A consumed receive buffer waiting for the engine (in order).
@@ -261,8 +258,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint64_t token;  // recv: the rtr's token; get, put: this side's request id
     const std::byte* addr;
     std::size_t len;
-    gdr::verbs::mr_cache::lease lease;
-    gdr::verbs::mr_cache* cache;  // the lease's
+    gdr::verbs::registration_hold reg;  // the memory's registration (its key went out)
     frame* f;        // the frame that carried the key: held (no on_sent) until both below
     bool sent;       // its SEND completed
     bool done;       // the peer is done with the memory: the data or the answer arrived
@@ -286,8 +282,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::size_t done = 0;
     std::uint64_t raddr = 0;
     std::uint32_t rkey = 0;
-    gdr::verbs::mr_cache::lease lease{};  // dst's registration; without one, READs go through a send slot
-    gdr::verbs::mr_cache* cache = nullptr;  // the lease's
+    gdr::verbs::registration_hold reg{};  // dst's registration; without one, READs go through a send slot
     int device = -1;                        // dst is memory of this GPU (GPUDirect)
   };
   /// A GPUDirect flush: the placement it ends waits for its READ.
@@ -296,7 +291,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     bool posted = false;   // the READ is in flight
     bool aborted = false;  // the engine dropped the placement meanwhile
     const std::byte* addr = nullptr;
-    gdr::verbs::mr_cache::lease lease{};  // the GPU memory's registration, for the READ's key
+    gdr::verbs::registration_hold reg{};  // the GPU memory's registration, for the READ's key
   };
   struct flush_node : gdr::verbs::work {
     connection* c = nullptr;
@@ -387,7 +382,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     grants_.clear();
     rd_ = pending_read{};
     fl_ = pending_flush{};
-    for (std::uint32_t i = 0; tx_slots_ && i < tx_n_; ++i) tx_slots_[i].lease.release();
+    for (std::uint32_t i = 0; tx_slots_ && i < tx_n_; ++i) tx_slots_[i].src.end();
     rx_mr_.reset();
     tx_mr_.reset();
     if (dq_ != nullptr) {
@@ -451,10 +446,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (f.encoded[0] == std::byte{1}) {
       // Registered for a request that never went out: the peer never saw the key.
       auto g = grant_of(f);
-      if (g != grants_.end()) {
-        release_grant(*g);
-        grants_.erase(g);
-      }
+      if (g != grants_.end()) grants_.erase(g);  // its registration ends with it
     }
     return true;
   }
@@ -526,7 +518,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         drop(*it->f);
         it = grants_.erase(it);
       } else {
-        it->lease.release();
+        it->reg.end();
         ++it;
       }
     }
@@ -577,21 +569,18 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   std::vector<grant>::iterator find_grant(grant_kind kind, std::uint64_t token) noexcept;
   void settle(grant_kind kind, std::uint64_t id) noexcept;
   void finish_grant(std::vector<grant>::iterator g) noexcept;
-  void release_grant(grant& g) noexcept;
   std::vector<grant>::iterator grant_of(const frame& f) noexcept;
   void remember_remote(bool get_reply, std::uint64_t token, std::uint64_t raddr, std::uint32_t rkey) noexcept;
   void attach_receive(frame& f) noexcept;
   bool attach_request(frame& f) noexcept;
   void add_grant(frame& f, grant_kind kind, std::uint64_t token, const std::byte* addr, std::size_t len,
                  int device) noexcept;
-  result<gdr::verbs::mr_cache::lease> register_user(gdr::verbs::mr_cache& cache, const void* addr, std::size_t len,
-                                                    int device) noexcept;
+  result<gdr::verbs::registration_hold> register_user(gdr::verbs::mr_cache& cache, const void* addr, std::size_t len,
+                                                      int device) noexcept;
   gdr::verbs::mr_cache& cache_for(int device, gdr::verbs::mr_cache& host) noexcept;
   gdr::verbs::mr_cache& recv_cache() noexcept;
   gdr::verbs::mr_cache& send_cache() noexcept;
   gdr::verbs::mr_cache& read_cache() noexcept;
-  void release_lease(gdr::verbs::mr_cache::lease& l, const void* addr, std::size_t len,
-                     gdr::verbs::mr_cache* cache) noexcept;
   std::vector<remote_dst>::iterator find_remote(bool get_reply, std::uint64_t token) noexcept;
 
   // ---- send.hpp: send slots, signalling, posting frames (SENDs and RDMA WRITEs), send completions

@@ -41,12 +41,9 @@ inline void connection::settle(grant_kind kind, std::uint64_t id) noexcept {
 inline void connection::finish_grant(std::vector<grant>::iterator g) noexcept {
   if (!g->sent || !g->done) return;
   frame* f = g->f;
-  release_grant(*g);
-  grants_.erase(g);
+  grants_.erase(g);  // its registration ends with it
   on_sent(*f, {});
 }
-
-inline void connection::release_grant(grant& g) noexcept { release_lease(g.lease, g.addr, g.len, g.cache); }
 
 /// The grant a frame carries the key of (encoded[0] == 1), or end().
 inline auto connection::grant_of(const frame& f) noexcept -> std::vector<grant>::iterator {
@@ -111,7 +108,7 @@ inline void connection::add_grant(frame& f, grant_kind kind, std::uint64_t token
     return;
   }
   try {
-    grants_.push_back({kind, token, addr, len, std::move(*l), &cache, &f, false, false});
+    grants_.push_back({kind, token, addr, len, std::move(*l), &f, false, false});
   } catch (...) {
     return;
   }
@@ -121,18 +118,19 @@ inline void connection::add_grant(frame& f, grant_kind kind, std::uint64_t token
 /// A user's buffer registered (or found cached), within the limit (host
 /// memory only: GPU memory has no other way to go). `device`: the GPU
 /// whose memory it is, or -1.
-inline result<gdr::verbs::mr_cache::lease> connection::register_user(gdr::verbs::mr_cache& cache, const void* addr, std::size_t len,
-                                                    int device) noexcept {
+inline auto connection::register_user(gdr::verbs::mr_cache& cache, const void* addr, std::size_t len,
+                                      int device) noexcept -> result<gdr::verbs::registration_hold> {
   if (device < 0 && vopts_.registration_limit != 0 && len > vopts_.registration_limit) return errno_code(E2BIG);
   auto l = cache.acquire(addr, len);
-  if (l) {
-    ++stats_.registrations;
-    if (device >= 0) ++stats_.device_registrations;
-  } else if (device >= 0) {
-    std::fprintf(stderr, "gdr verbs: registering %zu bytes of GPU %d memory failed: %s\n", len, device,
-                 l.error().message().c_str());
+  if (!l) {
+    if (device >= 0)
+      std::fprintf(stderr, "gdr verbs: registering %zu bytes of GPU %d memory failed: %s\n", len, device,
+                   l.error().message().c_str());
+    return l.error();
   }
-  return l;
+  ++stats_.registrations;
+  if (device >= 0) ++stats_.device_registrations;
+  return gdr::verbs::registration_hold(std::move(*l), cache, addr, len, vopts_.cache_registrations);
 }
 
 /// The cache of memory of GPU `device` (-1: `host`, the host cache for
@@ -147,15 +145,6 @@ inline gdr::verbs::mr_cache& connection::recv_cache() noexcept { return *dq_->re
 inline gdr::verbs::mr_cache& connection::send_cache() noexcept { return *dq_->send_mrs; }
 
 inline gdr::verbs::mr_cache& connection::read_cache() noexcept { return *dq_->read_mrs; }
-
-/// Ends a transfer's lease on its registration in `cache` (null with an
-/// empty lease), and forgets the registration unless they are cached.
-inline void connection::release_lease(gdr::verbs::mr_cache::lease& l, const void* addr, std::size_t len,
-                     gdr::verbs::mr_cache* cache) noexcept {
-  if (!l) return;
-  l.release();
-  if (!vopts_.cache_registrations) cache->invalidate(addr, len);
-}
 
 inline auto connection::find_remote(bool get_reply, std::uint64_t token) noexcept -> std::vector<remote_dst>::iterator {
   return std::find_if(remotes_.begin(), remotes_.end(),

@@ -90,6 +90,65 @@ struct mr_backend {
 /// A cache of host-memory registrations.
 using mr_cache = registration_cache<mr_backend>;
 
+/// A transfer's hold on a cached registration, and the end the cache policy
+/// asks for. When the hold ends (destroyed, assigned over, or `end()`), its
+/// lease is released and, unless registrations stay cached
+/// (`endpoint_options::cache_registrations`), every entry of its cache that
+/// overlaps the held range is dropped (deregistered now if idle, else when
+/// its last lease goes). Every path that ends a transfer's use of memory
+/// (completion, withdrawal, failure, teardown) ends its hold, so none can
+/// leave a registration cached that the policy says must go (issue 15,
+/// defect 7: the failure paths released bare leases). Move-only; the cache
+/// must outlive the hold.
+template <class Cache>
+class basic_registration_hold {
+ public:
+  using lease_type = typename Cache::lease;
+
+  basic_registration_hold() noexcept = default;
+  /// Holds `l`, a lease of `cache` covering `[addr, addr + len)`.
+  basic_registration_hold(lease_type l, Cache& cache, const void* addr, std::size_t len, bool keep_cached) noexcept
+      : lease_(std::move(l)), cache_(&cache), addr_(addr), len_(len), keep_(keep_cached) {}
+  basic_registration_hold(basic_registration_hold&& o) noexcept
+      : lease_(std::move(o.lease_)), cache_(std::exchange(o.cache_, nullptr)), addr_(o.addr_), len_(o.len_),
+        keep_(o.keep_) {}
+  basic_registration_hold& operator=(basic_registration_hold&& o) noexcept {
+    if (this != &o) {
+      end();
+      lease_ = std::move(o.lease_);
+      cache_ = std::exchange(o.cache_, nullptr);
+      addr_ = o.addr_;
+      len_ = o.len_;
+      keep_ = o.keep_;
+    }
+    return *this;
+  }
+  ~basic_registration_hold() { end(); }
+
+  /// Holds a registration.
+  explicit operator bool() const noexcept { return static_cast<bool>(lease_); }
+  /// The registration's handle (verbs: the `ibv_mr*`).
+  const auto& handle() const noexcept { return lease_.handle(); }
+
+  /// Ends the hold now (see the class comment). Idempotent.
+  void end() noexcept {
+    if (!lease_) return;
+    lease_.release();
+    if (!keep_) cache_->invalidate(addr_, len_);
+    cache_ = nullptr;
+  }
+
+ private:
+  lease_type lease_{};
+  Cache* cache_ = nullptr;
+  const void* addr_ = nullptr;
+  std::size_t len_ = 0;
+  bool keep_ = false;
+};
+
+/// A hold on a registration of a device's cache.
+using registration_hold = basic_registration_hold<mr_cache>;
+
 /// Access flags of memory a peer writes into (rendezvous receives).
 inline constexpr int remote_write_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
 /// Access flags of memory the NIC only reads (RDMA WRITE sources). No

@@ -27,10 +27,9 @@ inline void connection::start_read(std::byte* dst, std::size_t len, std::uint64_
   rd_.done = 0;
   rd_.raddr = raddr;
   rd_.rkey = rkey;
-  rd_.cache = &cache_for(device, recv_cache());
   rd_.device = device;
-  if (auto l = register_user(*rd_.cache, dst, len, device)) {
-    rd_.lease = std::move(*l);
+  if (auto l = register_user(cache_for(device, recv_cache()), dst, len, device)) {
+    rd_.reg = std::move(*l);
   } else {
     ++stats_.registration_failures;
     if (device >= 0) {
@@ -48,7 +47,7 @@ inline void connection::start_read(std::byte* dst, std::size_t len, std::uint64_
 /// they consume no receive buffer of the peer's.
 inline void connection::post_read() noexcept {
   if (!rd_.active || rd_.posted || rd_.aborted || shut_ || failed()) return;
-  bool direct = static_cast<bool>(rd_.lease);
+  bool direct = static_cast<bool>(rd_.reg);
   std::size_t n = direct ? rd_.len - rd_.done : std::min(rd_.len - rd_.done, buf_);
   std::size_t chunk = direct ? rdma_chunk(n) : n;
   int nwr = static_cast<int>((n + chunk - 1) / chunk);
@@ -57,7 +56,7 @@ inline void connection::post_read() noexcept {
   ibv_send_wr wrs[max_write_wrs];
   ibv_sge sges[max_write_wrs];
   const std::byte* into = direct ? rd_.dst + rd_.done : t->buf;
-  std::uint32_t lkey = direct ? rd_.lease.handle()->lkey : tx_mr_.lkey();
+  std::uint32_t lkey = direct ? rd_.reg.handle()->lkey : tx_mr_.lkey();
   rdma_chain(wrs, sges, IBV_WR_RDMA_READ, into, lkey, rd_.raddr + rd_.done, rd_.rkey, n, chunk, *t);
   t->read = true;
   t->read_bytes = n;
@@ -80,7 +79,7 @@ inline void connection::read_done(std::size_t n, const std::byte* slot, std::err
     if (aborted) on_target_released();
     return;
   }
-  if (!rd_.lease) std::memcpy(rd_.dst + rd_.done, slot, n);
+  if (!rd_.reg) std::memcpy(rd_.dst + rd_.done, slot, n);
   rd_.done += n;
   if (rd_.done < rd_.len && !rd_.aborted) {
     post_read();
@@ -100,7 +99,7 @@ inline void connection::read_done(std::size_t n, const std::byte* slot, std::err
 }
 
 inline void connection::end_read() noexcept {
-  release_lease(rd_.lease, rd_.dst, rd_.len, rd_.cache);
+  rd_.reg.end();
   rd_ = pending_read{};
 }
 
@@ -117,7 +116,7 @@ inline void connection::start_flush(const std::byte* addr) noexcept {
     gpudirect_fail("cannot register Device memory for its flush");
     return;
   }
-  fl_.lease = std::move(*l);
+  fl_.reg = gdr::verbs::registration_hold(std::move(*l), *dq_->device_mrs, addr, 1, vopts_.cache_registrations);
   ibv_sge sge{};
   sge.addr = reinterpret_cast<std::uintptr_t>(dq_->flush->scratch.get());
   sge.length = 1;
@@ -129,7 +128,7 @@ inline void connection::start_flush(const std::byte* addr) noexcept {
   wr.opcode = IBV_WR_RDMA_READ;
   wr.send_flags = IBV_SEND_SIGNALED;
   wr.wr.rdma.remote_addr = reinterpret_cast<std::uintptr_t>(addr);
-  wr.wr.rdma.rkey = fl_.lease.handle()->rkey;
+  wr.wr.rdma.rkey = fl_.reg.handle()->rkey;
   ibv_send_wr* bad = nullptr;
   if (int rc = ibv_post_send(dq_->flush->qp, &wr, &bad)) {  // returns an errno value
     end_flush();
@@ -143,7 +142,7 @@ inline void connection::start_flush(const std::byte* addr) noexcept {
 }
 
 inline void connection::end_flush() noexcept {
-  release_lease(fl_.lease, fl_.addr, 1, dq_->device_mrs.get());
+  fl_.reg.end();
   fl_ = pending_flush{};
 }
 

@@ -248,10 +248,7 @@ inline int connection::post_rdma(frame& f, const remote_dst& r, std::uint64_t of
   t->f = &f;
   t->covered = static_cast<std::uint32_t>(nwr);
   t->rdma = true;
-  t->lease = std::move(*l);
-  t->lease_cache = &cache;
-  t->lease_addr = f.payload;
-  t->lease_len = len;
+  t->src = std::move(*l);
   if (!post_send_wrs(wrs, nwr, t)) return 0;  // failed: link_shutdown hands f back
   f.sealed = true;
   f.written = len;
@@ -272,7 +269,7 @@ inline bool connection::post_send_wrs(ibv_send_wr* wrs, int n, tx_slot* t) noexc
   int rc = ibv_post_send(id_->qp, wrs, &bad);  // returns an errno value
   if (rc != 0) {
     // The frame stays where it is (on tx_): the failure hands it back.
-    release_lease(t->lease, t->lease_addr, t->lease_len, t->lease_cache);
+    t->src.end();
     free_tx(t);
     if (!failed()) on_link_failed(errno_code(rc));
     return false;
@@ -343,7 +340,7 @@ inline bool connection::post_sends(frame& f) noexcept {
         auto g = grant_of(f);
         if (g != grants_.end()) {
           w.raddr = reinterpret_cast<std::uintptr_t>(g->addr);
-          w.rkey = g->lease.handle()->rkey;
+          w.rkey = g->reg.handle()->rkey;
         }
       }
     }
@@ -439,7 +436,7 @@ inline void connection::tx_done(tx_slot& t, const ibv_wc& wc) noexcept {
   bool read = t.read;
   std::size_t read_bytes = t.read_bytes;
   const std::byte* slot_buf = t.buf;  // not written again before read_done: nothing posts in between
-  release_lease(t.lease, t.lease_addr, t.lease_len, t.lease_cache);
+  t.src.end();
   free_held(t.held);
   free_tx(&t);
   std::error_code ec;
