@@ -87,6 +87,8 @@
 #include <gdr/transfer/common.hpp>
 #include <gdr/transport/verbs/completion.hpp>
 #include <gdr/transport/verbs/credits.hpp>
+#include <gdr/transport/verbs/flush.hpp>
+#include <gdr/transport/verbs/gate.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 #include <gdr/transport/verbs/options.hpp>
@@ -130,6 +132,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     }
     flush_work_.c = this;
     flush_work_.complete = &on_flush;
+    flush_waiter_.c = this;
+    flush_waiter_.wake = &on_flush_room;
     try {
       setup();
     } catch (...) {
@@ -270,30 +274,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint64_t raddr;
     std::uint32_t rkey;
   };
-  /// A put this side serves by reading its payload from the peer's memory
-  /// into the exposed memory (`dst`); the engine's placement waits for it,
-  /// and so does parsing of the frames behind it.
-  struct pending_read {
-    bool active = false;
-    bool posted = false;   // a READ is in flight
-    bool aborted = false;  // the engine dropped the placement meanwhile
-    std::byte* dst = nullptr;
-    std::size_t len = 0;
-    std::size_t done = 0;
-    std::uint64_t raddr = 0;
-    std::uint32_t rkey = 0;
-    gdr::verbs::registration_hold reg{};  // dst's registration; without one, READs go through a send slot
-    int device = -1;                        // dst is memory of this GPU (GPUDirect)
-  };
-  /// A GPUDirect flush: the placement it ends waits for its READ.
-  struct pending_flush {
-    bool active = false;
-    bool posted = false;   // the READ is in flight
-    bool aborted = false;  // the engine dropped the placement meanwhile
-    const std::byte* addr = nullptr;
-    gdr::verbs::registration_hold reg{};  // the GPU memory's registration, for the READ's key
-  };
   struct flush_node : gdr::verbs::work {
+    connection* c = nullptr;
+  };
+  struct flush_wait_node : gdr::verbs::flush_waiter {
     connection* c = nullptr;
   };
   struct kick_node : remote_work {
@@ -380,8 +364,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       ch_ = nullptr;
     }
     grants_.clear();
-    rd_ = pending_read{};
-    fl_ = pending_flush{};
+    if (dq_ != nullptr && dq_->flush) dq_->flush->cancel(flush_waiter_);
+    gate_ = nic_gate{};
     for (std::uint32_t i = 0; tx_slots_ && i < tx_n_; ++i) tx_slots_[i].src.end();
     rx_mr_.reset();
     tx_mr_.reset();
@@ -458,21 +442,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   }
 
   bool link_abort_target() noexcept override {
-    if (fl_.active) {
-      // The bytes are in place; only the flush's READ (which writes nothing
-      // of the user's) is in flight.
-      fl_.aborted = true;
-      return true;
-    }
-    if (rd_.active) {
-      // A READ into the destination may be in flight: the memory is free
-      // when it has completed (on_target_released).
-      if (rd_.posted) {
-        rd_.aborted = true;
-        return false;
-      }
-      end_read();
-      kick();  // parsing goes on from the loop
+    if (!gate_.is_open()) {
+      // A put's READ or a flush (gate.hpp says when the memory is free).
+      if (gate_.current() == nic_gate::state::flush_ready) dq_->flush->cancel(flush_waiter_);
+      if (gate_.abort() == nic_gate::released::later) return false;
+      if (gate_.is_open()) kick();  // parsing goes on from the loop
       return true;
     }
     // Placement is a memcpy per buffer: between buffers nothing touches the
@@ -522,8 +496,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         ++it;
       }
     }
-    // A READ in flight comes back flushed; one waiting for a slot never goes.
-    if (rd_.active && !rd_.posted) end_read();
+    // A READ in flight comes back flushed (a flush, done); one waiting for
+    // a slot or for the flush queue pair never goes.
+    if (gate_.current() == nic_gate::state::flush_ready) dq_->flush->cancel(flush_waiter_);
+    gate_.drop_waiting();
     if (cm_watch_in_flight_) sched().cancel(&cm_watch_);
     backlog_head_ = backlog_tail_;  // nothing more is parsed
     cont_ = {};
@@ -544,7 +520,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   bool link_quiet() const noexcept override {
     return rx_outstanding_ == 0 && sq_used_ == 0 && tx_busy_ == 0 && !cm_watch_in_flight_ && !kick_posted_ &&
-           dropped_.empty() && copied_.empty() && !fl_.posted;
+           dropped_.empty() && copied_.empty() && !gate_.in_flight();
   }
 
   void link_release() noexcept override {}
@@ -608,10 +584,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void start_read(std::byte* dst, std::size_t len, std::uint64_t raddr, std::uint32_t rkey, int device) noexcept;
   void post_read() noexcept;
   void read_done(std::size_t n, const std::byte* slot, std::error_code ec) noexcept;
-  void end_read() noexcept;
   void start_flush(const std::byte* addr) noexcept;
-  void end_flush() noexcept;
+  void post_flush() noexcept;
   static void on_flush(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
+  static void on_flush_room(gdr::verbs::flush_waiter* w) noexcept;
   void flush_done(const ibv_wc& wc) noexcept;
 
   // ---- liveness.hpp: device events, keepalive, rdma_cm events, failure, kicks
@@ -685,9 +661,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   } cont_;
   std::vector<grant> grants_;
   std::vector<remote_dst> remotes_;
-  pending_read rd_{};
-  pending_flush fl_{};
+  nic_gate gate_{};                // a served put's READ, or the GPUDirect flush (gate.hpp)
   flush_node flush_work_{};
+  flush_wait_node flush_waiter_{};  // in the flush queue pair's queue while waiting for room
 
   // send side
   proto::fifo<frame, &frame::prev, &frame::next> tx_{};

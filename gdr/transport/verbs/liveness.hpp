@@ -151,8 +151,10 @@ inline void connection::on_kick(remote_work* w) noexcept {
     f->where = nowhere;
     c->on_sent(*f, c->error() ? c->error() : std::error_code(errc::connection_lost));
   }
-  // Paused by the engine, or by a READ that ended without its completion
-  // (an aborted placement): go on with the frames behind.
+  // A flush that waited for room on the flush queue pair (woken).
+  if (c->gate_.current() == nic_gate::state::flush_ready) c->post_flush();
+  // Paused by the engine, or by a gate that opened without a completion
+  // (a stopped placement): go on with the frames behind.
   if (!c->failed() && (c->paused_ || c->backlog_head_ != c->backlog_tail_)) {
     c->paused_ = false;
     c->parse();

@@ -78,6 +78,7 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t registrations = 0;   ///< users' buffers registered (or found cached)
   std::uint64_t device_registrations = 0;  ///< ... of which GPU memory (GPUDirect)
   std::uint64_t flushes = 0;         ///< GPUDirect flushes (loopback READs) before a Device receive completed
+  std::uint64_t flush_waits = 0;     ///< ... that waited for room on the device's flush queue pair
   std::uint64_t registration_failures = 0;  ///< ... that could not be: bounce buffers instead
   std::uint64_t keepalives = 0;      ///< keepalive probes sent
   std::uint64_t signaled_wrs = 0;    ///< send-queue work requests that asked for a completion

@@ -96,7 +96,7 @@ inline void connection::push_backlog(rx_item it) noexcept {
 
 /// Hands the consumed buffers to the engine, in order, until it pauses.
 inline void connection::parse() noexcept {
-  while (!paused_ && !rd_.active && !fl_.active && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
+  while (!paused_ && gate_.is_open() && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
     const rx_item& it = backlog_[backlog_head_ % rx_n_];
     bool done = it.is_imm ? rx_write_arrived(it) : rx_buffer(it);
     if (!done) return;

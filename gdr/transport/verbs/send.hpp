@@ -109,7 +109,7 @@ inline void connection::release_unsignaled() noexcept {
 /// Posts what resources allow, in order.
 inline void connection::pump_tx() noexcept {
   if (!established_ || shut_) return;
-  if (rd_.active && !rd_.posted) post_read();
+  if (gate_.current() == nic_gate::state::read_ready) post_read();
   while (frame* f = tx_.head) {
     copied_frame_ = nullptr;
     if (shut_ || !post_frame(*f)) break;
