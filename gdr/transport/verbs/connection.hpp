@@ -274,6 +274,31 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint64_t raddr;
     std::uint32_t rkey;
   };
+  /// A payload placed from SENDs, buffer by buffer (recv.hpp). It is
+  /// recorded as soon as the engine has said where the payload goes, before
+  /// anything else can reach the engine, so that a stop of the placement
+  /// (`link_abort_target`) finds it and drops the rest wherever the stop
+  /// comes from (issue 15, defect 6: it was set up after a call that could
+  /// end the operation, and the SENDs after the first wrote into its freed
+  /// buffer).
+  struct sends_placement {
+    bool active = false;          // a payload is being placed
+    std::byte* dst = nullptr;     // where the wanted bytes go (null: dropped)
+    std::size_t done = 0;         // bytes placed
+    std::size_t want_left = 0;    // bytes still wanted
+    std::uint64_t remaining = 0;  // payload bytes still to come
+    bool notified = false;        // on_placed was called (or the placement was stopped)
+
+    void begin(std::byte* to, std::size_t want, std::uint64_t length) noexcept {
+      *this = sends_placement{true, to, 0, want, length, false};
+    }
+    /// The engine stopped the placement: the rest is read and dropped.
+    void stop() noexcept {
+      dst = nullptr;
+      want_left = 0;
+      notified = true;
+    }
+  };
   struct flush_node : gdr::verbs::work {
     connection* c = nullptr;
   };
@@ -451,11 +476,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     }
     // Placement is a memcpy per buffer: between buffers nothing touches the
     // destination. The rest of the payload is dropped.
-    if (cont_.active) {
-      cont_.dst = nullptr;
-      cont_.want_left = 0;
-      cont_.notified = true;
-    }
+    if (cont_.active) cont_.stop();
     return true;
   }
 
@@ -539,6 +560,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void push_backlog(rx_item it) noexcept;
   void parse() noexcept;
   bool rx_buffer(const rx_item& it) noexcept;
+  bool place_sends(const std::byte* payload, std::size_t avail) noexcept;
   bool rx_write_arrived(const rx_item& it) noexcept;
 
   // ---- grants.hpp: this side's memory the peer's NIC reaches, the peer's keys, registrations
@@ -651,14 +673,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   std::unique_ptr<rx_item[]> backlog_;
   std::uint32_t backlog_head_ = 0;
   std::uint32_t backlog_tail_ = 0;
-  struct {
-    bool active = false;
-    std::byte* dst = nullptr;
-    std::size_t done = 0;
-    std::size_t want_left = 0;
-    std::uint64_t remaining = 0;
-    bool notified = false;
-  } cont_;
+  sends_placement cont_{};  // a payload arriving in SENDs, buffer by buffer
   std::vector<grant> grants_;
   std::vector<remote_dst> remotes_;
   nic_gate gate_{};                // a served put's READ, or the GPUDirect flush (gate.hpp)

@@ -116,18 +116,8 @@ inline bool connection::rx_buffer(const rx_item& it) noexcept {
   std::size_t avail = it.bytes - wire_size;
   if (cont_.active) {
     if (w.kind != wire_header::cont || avail > cont_.remaining || avail == 0) return protocol_fail();
-    std::size_t take = std::min(avail, cont_.want_left);
-    if (take != 0) std::memcpy(cont_.dst + cont_.done, payload, take);
-    cont_.done += take;
-    cont_.want_left -= take;
-    cont_.remaining -= avail;
     ++stats_.fragments;
-    if (cont_.want_left == 0 && !cont_.notified) {
-      cont_.notified = true;
-      on_placed(false);
-    }
-    if (cont_.remaining == 0) cont_ = {};
-    return !failed();
+    return place_sends(payload, avail);
   }
   proto::header h;
   if (!decode(w, options().max_message, h)) return protocol_fail();
@@ -150,6 +140,9 @@ inline bool connection::rx_buffer(const rx_item& it) noexcept {
   }
   if (plan.device >= 0 && plan.want != 0 && !by_read)
     return gpudirect_fail("the peer sent bytes for Device memory in SENDs, which the CPU would have to copy");
+  // Recorded before settle() below, which hands frames back to the engine:
+  // a stop of this placement finds it (sends_placement).
+  if (!by_read) cont_.begin(plan.dst, plan.want, h.length);
   if (answers_grant) settle(h.type == proto::msg::put_ack ? grant_kind::put : grant_kind::get, h.id);
   // A rendezvous message that came as SENDs although the receive offered
   // its key (the sender could not register its side): no WRITE will come.
@@ -162,22 +155,23 @@ inline bool connection::rx_buffer(const rx_item& it) noexcept {
     start_read(plan.dst, plan.want, w.raddr, w.rkey, plan.device);
     return !failed();
   }
-  std::size_t take = std::min(avail, plan.want);
-  if (take != 0) std::memcpy(plan.dst, payload, take);
-  if (avail == h.length) {
-    on_placed(false);
-    return !failed();
-  }
-  cont_.active = true;
-  cont_.dst = plan.dst;
-  cont_.done = take;
-  cont_.want_left = plan.want - take;
-  cont_.remaining = h.length - avail;
-  cont_.notified = false;
-  if (cont_.want_left == 0) {
+  return place_sends(payload, avail);
+}
+
+/// `avail` bytes of the payload being placed (`cont_`), from one SEND: the
+/// wanted ones are copied, the rest dropped; the engine hears once all
+/// wanted bytes are in place. False: failed.
+inline bool connection::place_sends(const std::byte* payload, std::size_t avail) noexcept {
+  std::size_t take = std::min(avail, cont_.want_left);
+  if (take != 0) std::memcpy(cont_.dst + cont_.done, payload, take);
+  cont_.done += take;
+  cont_.want_left -= take;
+  cont_.remaining -= avail;
+  if (cont_.want_left == 0 && !cont_.notified) {
     cont_.notified = true;
     on_placed(false);
   }
+  if (cont_.remaining == 0) cont_ = {};
   return !failed();
 }
 
