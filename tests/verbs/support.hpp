@@ -97,16 +97,40 @@ struct stand_in {
 };
 
 /// Pages that play GPU 0's memory for the stand-in: `lock()` makes them
-/// inaccessible to the CPU (the NIC keeps reaching them through cached
-/// registrations).
+/// inaccessible to the CPU. A second mapping of the same pages (a memfd
+/// mapped twice) stays readable, and the stand-in registers through it
+/// (`gdr::verbs::testing::stand_in_alias`), as a dma-buf registration
+/// reaches GPU memory without the CPU's mapping: registrations made while
+/// locked work. `aliased = false`: no such mapping, so that a registration
+/// made while locked fails (a GPU buffer the driver will not export).
 class nic_memory {
  public:
-  explicit nic_memory(std::size_t n) : n_(round(n)) {
-    void* p = ::mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  explicit nic_memory(std::size_t n, bool aliased = true) : n_(round(n)) {
+    if (!aliased) {
+      void* p = ::mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      REQUIRE(p != MAP_FAILED);
+      p_ = static_cast<std::byte*>(p);
+      return;
+    }
+    fd_ = ::memfd_create("gdr-nic-memory", MFD_CLOEXEC);
+    REQUIRE(fd_ >= 0);
+    REQUIRE(::ftruncate(fd_, static_cast<off_t>(n_)) == 0);
+    void* p = ::mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    void* a = ::mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
     REQUIRE(p != MAP_FAILED);
+    REQUIRE(a != MAP_FAILED);
     p_ = static_cast<std::byte*>(p);
+    alias_ = static_cast<std::byte*>(a);
+    gdr::verbs::testing::stand_in_alias(p_, alias_, n_);
   }
-  ~nic_memory() { ::munmap(p_, n_); }
+  ~nic_memory() {
+    if (alias_ != nullptr) {
+      gdr::verbs::testing::stand_in_unalias(p_);
+      ::munmap(alias_, n_);
+      ::close(fd_);
+    }
+    ::munmap(p_, n_);
+  }
   nic_memory(const nic_memory&) = delete;
   nic_memory& operator=(const nic_memory&) = delete;
 
@@ -125,6 +149,8 @@ class nic_memory {
     return (std::max<std::size_t>(n, 1) + page - 1) / page * page;
   }
   std::byte* p_ = nullptr;
+  std::byte* alias_ = nullptr;
+  int fd_ = -1;
   std::size_t n_ = 0;
 };
 

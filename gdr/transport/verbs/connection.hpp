@@ -189,6 +189,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   bool needs_flush() const noexcept { return gpudirect_ != nullptr && gpudirect_->needs_flush; }
 
   ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
+  /// The last address, length and key this side sent its peer.
+  gdr::verbs::key_info last_key_sent() const noexcept { return last_key_; }
   /// The device's GPUDirect flush queue pair, if it has one.
   ibv_qp* flush_qp() const noexcept { return dq_ != nullptr && dq_->flush ? dq_->flush->qp : nullptr; }
   /// Forgets the cached registrations overlapping the range (every cache
@@ -196,8 +198,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// when that transfer ends. Returns how many were dropped.
   std::size_t invalidate_registrations(const void* addr, std::size_t len) noexcept {
     if (dq_ == nullptr) return 0;
-    std::size_t n = recv_cache().invalidate(addr, len) + send_cache().invalidate(addr, len) +
-                    read_cache().invalidate(addr, len);
+    std::size_t n = recv_cache().invalidate(addr, len) + send_cache().invalidate(addr, len);
     if (dq_->device_mrs) n += dq_->device_mrs->invalidate(addr, len);
     return n;
   }
@@ -262,7 +263,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint64_t token;  // recv: the rtr's token; get, put: this side's request id
     const std::byte* addr;
     std::size_t len;
-    gdr::verbs::registration_hold reg;  // the memory's registration (its key went out)
+    gdr::verbs::owned_mr key;  // a registration of exactly [addr, addr + len): its key went out
     frame* f;        // the frame that carried the key: held (no on_sent) until both below
     bool sent;       // its SEND completed
     bool done;       // the peer is done with the memory: the data or the answer arrived
@@ -513,7 +514,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         drop(*it->f);
         it = grants_.erase(it);
       } else {
-        it->reg.end();
+        it->key.reset();
         ++it;
       }
     }
@@ -573,12 +574,12 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   bool attach_request(frame& f) noexcept;
   void add_grant(frame& f, grant_kind kind, std::uint64_t token, const std::byte* addr, std::size_t len,
                  int device) noexcept;
+  result<gdr::verbs::owned_mr> register_exact(const void* addr, std::size_t len, int device, int access) noexcept;
   result<gdr::verbs::registration_hold> register_user(gdr::verbs::mr_cache& cache, const void* addr, std::size_t len,
                                                       int device) noexcept;
   gdr::verbs::mr_cache& cache_for(int device, gdr::verbs::mr_cache& host) noexcept;
   gdr::verbs::mr_cache& recv_cache() noexcept;
   gdr::verbs::mr_cache& send_cache() noexcept;
-  gdr::verbs::mr_cache& read_cache() noexcept;
   std::vector<remote_dst>::iterator find_remote(bool get_reply, std::uint64_t token) noexcept;
 
   // ---- send.hpp: send slots, signalling, posting frames (SENDs and RDMA WRITEs), send completions
@@ -606,7 +607,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void start_read(std::byte* dst, std::size_t len, std::uint64_t raddr, std::uint32_t rkey, int device) noexcept;
   void post_read() noexcept;
   void read_done(std::size_t n, const std::byte* slot, std::error_code ec) noexcept;
-  void start_flush(const std::byte* addr) noexcept;
+  void start_flush(const std::byte* addr, gdr::verbs::owned_mr key) noexcept;
   void post_flush() noexcept;
   static void on_flush(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
   static void on_flush_room(gdr::verbs::flush_waiter* w) noexcept;
@@ -666,6 +667,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   int tx_busy_ = 0;
 
   // credits
+  gdr::verbs::key_info last_key_{};  // the last key a frame carried (last_key_sent)
   credit_ledger credits_{};        // the peer's buffers this side may consume, and this side's owed
   int rx_outstanding_ = 0;         // receive work requests posted
 

@@ -163,7 +163,8 @@ class nic_gate {
   /// What the flush needs.
   struct flush_job {
     const std::byte* addr = nullptr;
-    gdr::verbs::registration_hold reg{};  ///< the GPU memory's registration (the READ's key)
+    gdr::verbs::owned_mr key{};           ///< the grant's exact registration the peer wrote through, or
+    gdr::verbs::registration_hold reg{};  ///< the GPU memory's cached registration (the READ's key)
     int retries = 0;                      ///< times the flush queue pair failed under it
   } flush;
 

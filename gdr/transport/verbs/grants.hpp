@@ -14,9 +14,15 @@
 /// still write or read it. The peer's keys (an rtr's, a get request's) are
 /// kept until this side's RDMA to them is posted.
 ///
-/// Registrations come from the device's caches (`memory.hpp`): host memory
-/// within `registration_limit`, else the bounce buffers; GPU memory of a
-/// GPUDirect endpoint always, else the connection fails.
+/// Keys. The registration behind a grant's key covers exactly the granted
+/// bytes and lives exactly as long as the grant: it is made for the grant
+/// (`register_exact`, never from a cache, whose entries are widened to
+/// pages and may cover more) and dropped with it, so the peer's NIC can
+/// reach nothing around the granted bytes and nothing after (issue 15,
+/// defect 12; the measurements behind the choice are in docs/VERBS.md,
+/// "Keys"). Host memory within `registration_limit`, else the bounce
+/// buffers; GPU memory of a GPUDirect endpoint always (a dma-buf of the
+/// range), else the connection fails.
 #pragma once
 
 #include <gdr/transport/verbs/connection.hpp>
@@ -101,18 +107,44 @@ inline bool connection::attach_request(frame& f) noexcept {
 
 inline void connection::add_grant(frame& f, grant_kind kind, std::uint64_t token, const std::byte* addr, std::size_t len,
                  int device) noexcept {
-  gdr::verbs::mr_cache& cache = cache_for(device, kind == grant_kind::put ? read_cache() : recv_cache());
-  auto l = register_user(cache, addr, len, device);
-  if (!l) {
+  int access = kind == grant_kind::put ? gdr::verbs::remote_read_access : gdr::verbs::remote_write_access;
+  // The flush of a Device receive or get reads one byte through this key
+  // (rdma_read.hpp).
+  if (device >= 0 && needs_flush()) access |= IBV_ACCESS_REMOTE_READ;
+  auto key = register_exact(addr, len, device, access);
+  if (!key) {
     ++stats_.registration_failures;
     return;
   }
   try {
-    grants_.push_back({kind, token, addr, len, std::move(*l), &f, false, false});
+    grants_.push_back({kind, token, addr, len, std::move(*key), &f, false, false});
   } catch (...) {
     return;
   }
   f.encoded[0] = std::byte{1};  // this frame carries a key
+}
+
+/// A registration of exactly `[addr, addr + len)`, made for one grant and
+/// never cached: the key the peer gets covers the granted bytes and nothing
+/// around them, and it dies with the grant (issue 15, defect 12; docs/VERBS.md,
+/// "Keys"). Within the registration limit for host memory; GPU memory of a
+/// GPUDirect endpoint through its route (a dma-buf of exactly the range).
+inline auto connection::register_exact(const void* addr, std::size_t len, int device, int access) noexcept
+    -> result<gdr::verbs::owned_mr> {
+  if (device < 0 && vopts_.registration_limit != 0 && len > vopts_.registration_limit) return errno_code(E2BIG);
+  gdr::verbs::mr_route route =
+      device >= 0 && gpudirect_ != nullptr ? gdr::verbs::route_of(*gpudirect_) : gdr::verbs::mr_route::host;
+  gdr::verbs::mr_backend backend{dq_->pd, access, route};
+  result<ibv_mr*> mr = backend.register_range(reinterpret_cast<std::uintptr_t>(addr), len);
+  if (!mr) {
+    if (device >= 0)
+      std::fprintf(stderr, "gdr verbs: registering %zu bytes of GPU %d memory failed: %s\n", len, device,
+                   mr.error().message().c_str());
+    return mr.error();
+  }
+  ++stats_.registrations;
+  if (device >= 0) ++stats_.device_registrations;
+  return gdr::verbs::owned_mr::adopt(*mr);
 }
 
 /// A user's buffer registered (or found cached), within the limit (host
@@ -144,7 +176,6 @@ inline gdr::verbs::mr_cache& connection::recv_cache() noexcept { return *dq_->re
 
 inline gdr::verbs::mr_cache& connection::send_cache() noexcept { return *dq_->send_mrs; }
 
-inline gdr::verbs::mr_cache& connection::read_cache() noexcept { return *dq_->read_mrs; }
 
 inline auto connection::find_remote(bool get_reply, std::uint64_t token) noexcept -> std::vector<remote_dst>::iterator {
   return std::find_if(remotes_.begin(), remotes_.end(),

@@ -64,6 +64,14 @@ struct endpoint_options {
   int gpu = 0;
 };
 
+/// Memory of this side that a frame told the peer's NIC about: its address,
+/// length and remote key (`endpoint::last_key_sent`, for tests).
+struct key_info {
+  std::uint64_t addr = 0;
+  std::size_t len = 0;
+  std::uint32_t rkey = 0;
+};
+
 /// Counters of one endpoint: the protocol layer's, and the transport's.
 struct endpoint_stats : protocol_stats {
   std::uint64_t send_wrs = 0;        ///< SEND work requests (a frame's first buffer, and continuations)

@@ -96,12 +96,14 @@ inline void connection::read_done(std::size_t n, const std::byte* slot, std::err
   }
 }
 
-/// GPU memory the NIC has just written (at `addr`): READ one byte of it
-/// through the device's flush queue pair (`flush.hpp`); the placement
-/// completes when the READ does. Parsing waits meanwhile.
-inline void connection::start_flush(const std::byte* addr) noexcept {
+/// GPU memory the NIC has just written (at `addr`, registered by `key`, the
+/// grant the peer wrote through): READ one byte of it through the device's
+/// flush queue pair (`flush.hpp`); the placement completes when the READ
+/// does. Parsing waits meanwhile.
+inline void connection::start_flush(const std::byte* addr, gdr::verbs::owned_mr key) noexcept {
   if (failed() || shut_) return;
   gate_.start_flush(addr);
+  gate_.flush.key = std::move(key);
   post_flush();
 }
 
@@ -130,7 +132,7 @@ inline void connection::post_flush() noexcept {
     return;
   }
   nic_gate::flush_job& fj = gate_.flush;
-  if (!fj.reg) {
+  if (!fj.key && !fj.reg) {
     auto l = dq_->device_mrs->acquire(fj.addr, 1);  // found cached: the transfer's own registration
     if (!l) {
       gate_.drop_waiting();
@@ -150,7 +152,7 @@ inline void connection::post_flush() noexcept {
   wr.opcode = IBV_WR_RDMA_READ;
   wr.send_flags = IBV_SEND_SIGNALED;
   wr.wr.rdma.remote_addr = reinterpret_cast<std::uintptr_t>(fj.addr);
-  wr.wr.rdma.rkey = fj.reg.handle()->rkey;
+  wr.wr.rdma.rkey = fj.key ? fj.key.rkey() : fj.reg.handle()->rkey;
   ibv_send_wr* bad = nullptr;
   if (int rc = ibv_post_send(q.qp, &wr, &bad)) {  // returns an errno value
     gate_.drop_waiting();

@@ -209,7 +209,9 @@ inline bool connection::rx_write_arrived(const rx_item& it) noexcept {
   ++stats_.rdma_received;
   w->done = true;
   if (needs_flush() && plan.device >= 0 && plan.want != 0) {
-    start_flush(plan.dst);  // the receive completes once the flush says the bytes have landed
+    // The receive completes once the flush says the bytes have landed; the
+    // flush reads through the grant's registration, which it keeps till then.
+    start_flush(plan.dst, std::move(w->key));
   } else {
     on_placed(true);
   }

@@ -340,7 +340,8 @@ inline bool connection::post_sends(frame& f) noexcept {
         auto g = grant_of(f);
         if (g != grants_.end()) {
           w.raddr = reinterpret_cast<std::uintptr_t>(g->addr);
-          w.rkey = g->reg.handle()->rkey;
+          w.rkey = g->key.rkey();
+          last_key_ = {w.raddr, g->len, w.rkey};
         }
       }
     }
