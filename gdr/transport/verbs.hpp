@@ -16,6 +16,8 @@
 ///   * `verbs/gpudirect.hpp`   the GPUDirect probe of a (GPU, NIC) pair,
 ///                             dma-buf registration of GPU memory;
 ///   * `verbs/flush.hpp`       the GPUDirect flush's loopback queue pair;
+///   * `verbs/probe.hpp`       the node's RDMA devices and whether GPUDirect
+///                             is possible there;
 ///   * `verbs/endpoint.hpp`    the endpoint and its rows of the path table.
 #pragma once
 
@@ -27,3 +29,4 @@
 #include <gdr/transport/verbs/gpudirect.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 #include <gdr/transport/verbs/options.hpp>
+#include <gdr/transport/verbs/probe.hpp>

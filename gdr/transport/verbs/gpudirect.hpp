@@ -6,7 +6,7 @@
 /// set-up with `errc::gpudirect_unavailable` and a reason a user can act on,
 /// never a silent fallback (the failure mode of NVIDIA/nccl#1676).
 ///
-/// The checks, in order (`gdr/verbs/probe.hpp` has the node-level ones):
+/// The checks, in order (`gdr/transport/verbs/probe.hpp` has the node-level ones):
 ///   1. `cuda-driver`: the CUDA driver library (libcuda.so.1) loads and
 ///      `cuInit` succeeds; the GPU exists.
 ///   2. `gpu-dma-buf`: `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (else the
@@ -52,7 +52,7 @@
 #include <vector>
 
 #include <gdr/error.hpp>
-#include <gdr/verbs/probe.hpp>
+#include <gdr/transport/verbs/probe.hpp>
 
 namespace gdr::verbs {
 
