@@ -43,6 +43,7 @@
 #include <gdr/protocol/engine.hpp>
 #include <gdr/protocol/message.hpp>
 #include <gdr/protocol/options.hpp>
+#include <gdr/transfer/address.hpp>
 #include <gdr/transfer/common.hpp>
 #include <gdr/transport/loopback.hpp>
 #include <gdr/transfer/path.hpp>
@@ -71,5 +72,6 @@
 #include <gdr/transport/verbs/flush.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
 #include <gdr/transport/verbs/memory.hpp>
-#include <gdr/verbs/probe.hpp>
+#include <gdr/transport/verbs/options.hpp>
+#include <gdr/transport/verbs/probe.hpp>
 #endif

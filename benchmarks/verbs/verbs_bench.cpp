@@ -54,6 +54,10 @@
 // The connection's send slots and receive buffers (tx_depth, rx_depth) are
 // made at least WINDOW deep, as perftest sizes its queue pair by --tx-depth.
 //
+// GDR_BENCH_CACHE=0: registrations are not cached (the endpoints' default),
+// so every transfer registers its memory (what it costs: docs/VERBS.md,
+// "Keys").
+//
 // GDR_BENCH_GPUDIRECT=1: both endpoints are GPUDirect endpoints on the test
 // stand-in (gdr::verbs::testing: host memory plays GPU 0's memory, no GPU
 // needed), and send_lat / send_bw send from and receive into Device views:
@@ -194,7 +198,10 @@ int main(int argc, char** argv) {
     eo.gpudirect = true;
   }
   eo.protocol.rendezvous_threshold = 8192;  // large messages by RDMA WRITE, as ib_write_bw
-  eo.cache_registrations = true;            // the buffers live for the whole run
+  // The buffers live for the whole run; GDR_BENCH_CACHE=0 measures the
+  // default policy instead (every transfer registers its memory anew).
+  const char* cache_env = std::getenv("GDR_BENCH_CACHE");
+  eo.cache_registrations = cache_env == nullptr || std::strcmp(cache_env, "0") != 0;
   eo.tx_depth = std::max<unsigned>(eo.tx_depth, static_cast<unsigned>(window));
   eo.rx_depth = std::max<unsigned>(eo.rx_depth, static_cast<unsigned>(window));
   int ctl[2];

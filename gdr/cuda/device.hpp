@@ -105,7 +105,7 @@ inline std::string device_unavailable_reason(int ordinal) {
 /// Whether `device` supports GPUDirect RDMA
 /// (`cudaDevAttrGPUDirectRDMASupported`). This is the GPU's half of the
 /// answer only: a NIC also needs nvidia-peermem or dma-buf (see
-/// `gdr/verbs/probe.hpp`).
+/// `gdr/transport/verbs/probe.hpp`).
 inline result<bool> gpudirect_rdma_supported(int device) {
   if (!device_unavailable_reason(device).empty()) return errc::no_device;
   int v = 0;

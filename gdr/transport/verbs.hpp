@@ -9,10 +9,15 @@
 ///                             by the scheduler (`cq_poller`);
 ///   * `verbs/connect.hpp`     connection set-up: `connect`, `listener`;
 ///   * `verbs/memory.hpp`      registration of memory, caches;
-///   * `verbs/connection.hpp`  the data path: credits, SENDs, RDMA WRITEs;
+///   * `verbs/connection.hpp`  the connection: one RC queue pair under the
+///                             protocol engine, by phase (wire, recv,
+///                             grants, send, rdma_read, liveness);
+///   * `verbs/options.hpp`     the tag, the endpoint's options and counters;
 ///   * `verbs/gpudirect.hpp`   the GPUDirect probe of a (GPU, NIC) pair,
 ///                             dma-buf registration of GPU memory;
 ///   * `verbs/flush.hpp`       the GPUDirect flush's loopback queue pair;
+///   * `verbs/probe.hpp`       the node's RDMA devices and whether GPUDirect
+///                             is possible there;
 ///   * `verbs/endpoint.hpp`    the endpoint and its rows of the path table.
 #pragma once
 
@@ -23,3 +28,5 @@
 #include <gdr/transport/verbs/flush.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
 #include <gdr/transport/verbs/memory.hpp>
+#include <gdr/transport/verbs/options.hpp>
+#include <gdr/transport/verbs/probe.hpp>

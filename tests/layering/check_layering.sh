@@ -101,7 +101,7 @@ done
 
 # Rule 3: the folder stack. Helpers set globals instead of printing, so
 # that the loop over every include runs no subshell.
-declare -A rank=([.]=0 [sched]=1 [coro]=2 [cuda]=3 [verbs]=3 [memory]=4 [transfer]=5 [protocol]=6
+declare -A rank=([.]=0 [sched]=1 [coro]=2 [cuda]=3 [memory]=4 [transfer]=5 [protocol]=6
   [transport]=7 [bootstrap]=8)
 # folder_of HEADER: sets `folder` to its folder below gdr/ ("." for
 # gdr/*.hpp, "transport/tcp" for a transport folder's header).

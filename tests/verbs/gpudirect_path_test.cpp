@@ -2,10 +2,12 @@
 // on a machine without a GPU: gdr::verbs::testing's stand-in makes the
 // probe say yes and registers "Device" memory with plain ibv_reg_mr, so the
 // endpoints run their real GPUDirect data path over a real RDMA device with
-// Device views of host memory. That memory is made PROT_NONE once its
-// registration is cached: the NIC still reaches the pinned pages, but any
-// CPU access (a copy into a SEND, out of a receive buffer, through a bounce
-// buffer) faults and fails the test. So these tests show that every byte of
+// Device views of host memory. That memory is made PROT_NONE while the
+// transfers run; the stand-in registers it through a second, readable
+// mapping of the same pages (verbs_test::nic_memory), as a dma-buf reaches
+// GPU memory without the CPU's mapping: the NIC still reaches the pages,
+// but any CPU access (a copy into a SEND, out of a receive buffer, through
+// a bounce buffer) faults and fails the test. So these tests show that every byte of
 // Device memory is moved by the NIC and none by the CPU, and that where the
 // NIC cannot move them the operation or the connection fails loudly.
 //
@@ -34,58 +36,15 @@
 
 #include "tests/support/skip.hpp"
 #include "tests/support/watchdog.hpp"
+#include "tests/verbs/support.hpp"
 #include "tests/verbs/verbs_fixture.hpp"
 
 using namespace std::chrono_literals;
 
 namespace {
 
-#define REQUIRE_VERBS()                                  \
-  do {                                                   \
-    std::string why_ = conformance::verbs_skip_reason(); \
-    if (!why_.empty()) GDR_SKIP(why_);                   \
-  } while (0)
-
-/// Turns the stand-in on for one test.
-struct stand_in {
-  explicit stand_in(bool needs_flush = false) {
-    gdr::verbs::testing::stand_in_host_memory_for_device(true, needs_flush);
-  }
-  ~stand_in() { gdr::verbs::testing::stand_in_host_memory_for_device(false); }
-  stand_in(const stand_in&) = delete;
-  stand_in& operator=(const stand_in&) = delete;
-};
-
-/// Pages that play GPU 0's memory: `lock()` makes them inaccessible to the
-/// CPU (the NIC keeps reaching them through cached registrations).
-class nic_memory {
- public:
-  explicit nic_memory(std::size_t n) : n_(round(n)) {
-    void* p = ::mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    REQUIRE(p != MAP_FAILED);
-    p_ = static_cast<std::byte*>(p);
-  }
-  ~nic_memory() { ::munmap(p_, n_); }
-  nic_memory(const nic_memory&) = delete;
-  nic_memory& operator=(const nic_memory&) = delete;
-
-  void lock() { REQUIRE(::mprotect(p_, n_, PROT_NONE) == 0); }
-  void unlock() { REQUIRE(::mprotect(p_, n_, PROT_READ | PROT_WRITE) == 0); }
-  std::byte* data() const { return p_; }
-  gdr::view<std::byte, gdr::Device> device(std::size_t n, std::size_t off = 0) const {
-    return gdr::view<std::byte, gdr::Device>(p_ + off, n, 0);
-  }
-  gdr::view<std::byte, gdr::Device> device() const { return device(n_); }
-  std::size_t size() const { return n_; }
-
- private:
-  static std::size_t round(std::size_t n) {
-    auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-    return (std::max<std::size_t>(n, 1) + page - 1) / page * page;
-  }
-  std::byte* p_ = nullptr;
-  std::size_t n_ = 0;
-};
+using verbs_test::nic_memory;
+using verbs_test::stand_in;
 
 void fill(std::byte* p, std::size_t n, std::uint32_t seed) {
   std::uint32_t x = 2654435761u * (seed + 1);
@@ -346,7 +305,7 @@ TEST_CASE("Device memory the NIC cannot register fails the connection loudly ins
     const bool sender_side = where == sender;
     with_pair([sender_side, where](auto& a, auto& b) -> gdr::task<> {
       const std::size_t n = 256 * 1024;
-      nic_memory dev(n);
+      nic_memory dev(n, false);  // no readable alias: its registration fails once locked
       dev.lock();
       std::vector<std::byte> hbuf = pattern(n, 5);
       auto t0 = std::chrono::steady_clock::now();

@@ -1,4 +1,4 @@
-// gdr/verbs/probe.hpp, checked against facts found independently of it: the
+// gdr/transport/verbs/probe.hpp, checked against facts found independently of it: the
 // kernel's sysfs (which RDMA devices exist, whether nvidia-peermem is
 // loaded), libibverbs' documented errors, a fake sysfs tree, and
 // capabilities built by hand.
@@ -14,7 +14,7 @@
 #include <set>
 #include <string>
 
-#include <gdr/verbs/probe.hpp>
+#include <gdr/transport/verbs/probe.hpp>
 
 #include "tests/support/skip.hpp"
 

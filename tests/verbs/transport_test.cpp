@@ -358,15 +358,18 @@ TEST_CASE("cached registrations stay for the next transfer until the program inv
         auto rv = reg.describe(0);
         auto src = pattern(n, 11);
         CHECK(co_await a.put(cbytes_of(src), rv) == n);
-        CHECK(co_await a.put(cbytes_of(src), rv) == n);  // the same registrations again
+        CHECK(co_await a.put(cbytes_of(src), rv) == n);  // the window's registration again
         CHECK(target == src);
-        // The source (put: readable by the peer) and the exposed window
-        // (the target's READ destination) are cached, once each.
-        CHECK(a.invalidate_registrations(src.data(), n) == 1);
+        // The exposed window (the target's READ destination, whose key
+        // never leaves the target) is cached, once. The put's source is
+        // registered for each put alone (its key goes to the target: a
+        // registration of exactly its bytes, for exactly that put) and never
+        // cached.
+        CHECK(a.invalidate_registrations(src.data(), n) == 0);
         CHECK(b.invalidate_registrations(target.data(), n) == 1);
-        CHECK(a.invalidate_registrations(src.data(), n) == 0);  // gone
-        CHECK(co_await a.put(cbytes_of(src), rv) == n);          // registered anew
-        CHECK(a.invalidate_registrations(src.data(), n) == 1);
+        CHECK(b.invalidate_registrations(target.data(), n) == 0);  // gone
+        CHECK(co_await a.put(cbytes_of(src), rv) == n);               // registered anew
+        CHECK(b.invalidate_registrations(target.data(), n) == 1);
         co_await a.close();
       },
       o, o);

@@ -12,7 +12,7 @@
 #include <gdr/coro/task.hpp>
 #include <gdr/coro/when_all.hpp>
 #include <gdr/transport/verbs.hpp>
-#include <gdr/verbs/probe.hpp>
+#include <gdr/transport/verbs/probe.hpp>
 
 namespace conformance {
 

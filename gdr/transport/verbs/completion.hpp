@@ -111,13 +111,14 @@ struct device_queue {
     bool in_flight = false;
   } watch;
   std::vector<std::pair<ibv_qp*, qp_event_sink*>> sinks;
-  /// Registrations of users' buffers, keyed by address range: rendezvous
-  /// receives, get destinations and RDMA READ destinations (remote write);
-  /// RDMA WRITE sources (local read); put sources (remote read).
+  /// Registrations of users' buffers that only this side's NIC uses (their
+  /// keys never go to a peer), keyed by address range: RDMA READ
+  /// destinations of served puts (local write); RDMA WRITE sources (local
+  /// read). Memory a peer's NIC reaches is registered exactly, per grant,
+  /// and never cached (`gdr/transport/verbs/grants.hpp`).
   std::unique_ptr<mr_cache> recv_mrs;
   std::unique_ptr<mr_cache> send_mrs;
-  std::unique_ptr<mr_cache> read_mrs;
-  /// GPU memory of GPUDirect endpoints (all access flags; made by the first
+  /// GPU memory of GPUDirect endpoints (`device_access`; made by the first
   /// such endpoint, with its probe's route).
   std::unique_ptr<mr_cache> device_mrs;
   /// The GPUDirect flush's loopback queue pair (made by the first endpoint
@@ -282,7 +283,6 @@ class cq_poller final : public poller {
     for (auto& d : devices_) {
       d->recv_mrs.reset();
       d->send_mrs.reset();
-      d->read_mrs.reset();
       d->device_mrs.reset();
       d->flush.reset();
       if (d->unacked != 0) ibv_ack_cq_events(d->cq, d->unacked);
@@ -315,9 +315,8 @@ class cq_poller final : public poller {
     if ((d->cq = ibv_create_cq(ctx, size, nullptr, d->channel, 0)) == nullptr) return fail(errno);
     d->cq_size = d->cq->cqe;
     try {
-      d->recv_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, remote_write_access});
+      d->recv_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, local_write_access});
       d->send_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, local_read_access});
-      d->read_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, remote_read_access});
     } catch (...) {
       return fail(ENOMEM);
     }

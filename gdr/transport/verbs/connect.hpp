@@ -14,6 +14,7 @@
 /// rdma_cm's private data (`detail::verbs::conn_params`).
 #pragma once
 
+#include <fcntl.h>
 #include <poll.h>
 #include <rdma/rdma_cma.h>
 
@@ -31,15 +32,15 @@
 #include <gdr/memory/registration.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/sched/uring_op.hpp>
-#include <gdr/transport/tcp/socket.hpp>
+#include <gdr/transfer/address.hpp>
 #include <gdr/transport/verbs/connection.hpp>
 #include <gdr/transport/verbs/endpoint.hpp>
 
 namespace gdr::verbs {
 
-/// An IP address and port, as `tcp::address` parses and prints them
-/// ("10.0.0.1:7471", "[fe80::1]:7471").
-using address = gdr::tcp::address;
+/// An IP address and port ("10.0.0.1:7471", "[fe80::1]:7471"):
+/// `gdr::address`, which TCP's endpoints use too.
+using address = gdr::address;
 
 namespace detail {
 

@@ -111,6 +111,14 @@ class endpoint : public basic_endpoint<transport> {
   const gpudirect_report* gpudirect() const noexcept { return conn() != nullptr ? conn()->gpudirect() : nullptr; }
   /// The queue pair, for diagnostics and fault injection in tests.
   ibv_qp* native_qp() const noexcept { return conn() != nullptr ? conn()->qp() : nullptr; }
+  /// The address, length and remote key of the memory this side last told
+  /// its peer's NIC about (an rtr's receive, a large put's source or get's
+  /// destination), for tests of what a peer can reach.
+  key_info last_key_sent() const noexcept { return conn() != nullptr ? conn()->last_key_sent() : key_info{}; }
+  /// The GPUDirect flush's loopback queue pair this endpoint uses (shared by
+  /// the endpoints of its device and scheduler; null when it has none), for
+  /// diagnostics and fault injection in tests.
+  ibv_qp* native_flush_qp() const noexcept { return conn() != nullptr ? conn()->flush_qp() : nullptr; }
 
   /// Decides the path of every row the endpoint serves (`GDR_LOG=path`
   /// prints them) and returns the rows a forced path refuses

@@ -6,7 +6,7 @@
 /// set-up with `errc::gpudirect_unavailable` and a reason a user can act on,
 /// never a silent fallback (the failure mode of NVIDIA/nccl#1676).
 ///
-/// The checks, in order (`gdr/verbs/probe.hpp` has the node-level ones):
+/// The checks, in order (`gdr/transport/verbs/probe.hpp` has the node-level ones):
 ///   1. `cuda-driver`: the CUDA driver library (libcuda.so.1) loads and
 ///      `cuInit` succeeds; the GPU exists.
 ///   2. `gpu-dma-buf`: `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (else the
@@ -52,7 +52,7 @@
 #include <vector>
 
 #include <gdr/error.hpp>
-#include <gdr/verbs/probe.hpp>
+#include <gdr/transport/verbs/probe.hpp>
 
 namespace gdr::verbs {
 
@@ -312,6 +312,30 @@ inline result<ibv_mr*> register_dmabuf(ibv_pd* pd, std::uintptr_t addr, std::siz
   return mr;
 }
 
+/// Stand-in "device" memory that a test made inaccessible to the CPU, and a
+/// mapping of the same pages that is not (see `testing::stand_in_alias`).
+struct stand_in_alias_entry {
+  std::uintptr_t device = 0;
+  std::uintptr_t host = 0;
+  std::size_t len = 0;
+};
+inline std::mutex& stand_in_alias_mutex() noexcept {
+  static std::mutex m;
+  return m;
+}
+inline std::vector<stand_in_alias_entry>& stand_in_aliases() noexcept {
+  static std::vector<stand_in_alias_entry> v;
+  return v;
+}
+/// The readable address of stand-in device memory at `addr` (`len` bytes
+/// inside one alias), or 0 if it has none.
+inline std::uintptr_t stand_in_host_of(std::uintptr_t addr, std::size_t len) noexcept {
+  std::lock_guard lock(stand_in_alias_mutex());
+  for (const auto& e : stand_in_aliases())
+    if (addr >= e.device && addr - e.device + len <= e.len) return e.host + (addr - e.device);
+  return 0;
+}
+
 /// The test stand-in's switch (see `gdr::verbs::testing`): 0 off, 1 on,
 /// 2 on and reporting that receives need the flush.
 inline std::atomic<int>& stand_in_flag() noexcept {
@@ -334,9 +358,29 @@ inline std::atomic<int>& stand_in_flag() noexcept {
 /// report say that NIC writes need the flush (a GPU below `OWNER`), so the
 /// flush's loopback READ runs too. Never for production: nothing checks
 /// that the memory is host memory.
+///
+/// A real GPU's memory is registered through a dma-buf, never through the
+/// CPU's mapping of it. `stand_in_alias(device, host, len)` gives the
+/// stand-in the same: `device` is the address the test hands out as Device
+/// memory (made inaccessible to the CPU whenever it likes), `host` a second
+/// mapping of the same pages (a memfd mapped twice) that stays readable;
+/// the stand-in registers any part of `device` through `host`, with the
+/// device address as the address the NIC uses (`ibv_reg_mr_iova`), so a
+/// registration made while `device` is `PROT_NONE` works as a dma-buf one
+/// would. `stand_in_unalias(device)` forgets it (before unmapping).
 namespace testing {
 inline void stand_in_host_memory_for_device(bool on, bool needs_flush = false) noexcept {
   detail::stand_in_flag() = on ? (needs_flush ? 2 : 1) : 0;
+}
+inline void stand_in_alias(const void* device, const void* host, std::size_t len) {
+  std::lock_guard lock(detail::stand_in_alias_mutex());
+  detail::stand_in_aliases().push_back(
+      {reinterpret_cast<std::uintptr_t>(device), reinterpret_cast<std::uintptr_t>(host), len});
+}
+inline void stand_in_unalias(const void* device) noexcept {
+  std::lock_guard lock(detail::stand_in_alias_mutex());
+  std::erase_if(detail::stand_in_aliases(),
+                [&](const auto& e) { return e.device == reinterpret_cast<std::uintptr_t>(device); });
 }
 }  // namespace testing
 

@@ -3,28 +3,28 @@
 /// `gdr::registration_cache` registers through (host memory with
 /// `ibv_reg_mr`; device memory with `ibv_reg_dmabuf_mr` on a dma-buf, or
 /// `ibv_reg_mr` through nvidia-peermem, see
-/// `gdr/transport/verbs/gpudirect.hpp`), and the caches a scheduler keeps per
-/// device, keyed by address range and by memory space (host memory in
-/// three, by access; GPU memory of GPUDirect endpoints in a fourth).
+/// `gdr/transport/verbs/gpudirect.hpp`), the caches a scheduler keeps per
+/// device for memory only this side's NIC uses (host memory in two, by
+/// access; GPU memory of GPUDirect endpoints in a third), and the holds
+/// that end a transfer's use of a cached registration.
 ///
 /// What is registered when
 /// =======================
 /// * The connection's own bounce buffers (receive ring, send slots) are
 ///   registered once, when it is made.
-/// * A rendezvous receive registers its view before its `rtr` goes out (the
-///   `rtr` carries the address and remote key); the sender registers the
-///   message before its RDMA WRITEs. Both hold a lease until the transfer's
-///   completion; a registration is never released while the NIC may still
-///   touch it (the receiver's lease ends when the sender's WRITE_WITH_IMM
-///   has arrived, or when the connection has failed and its queue pair has
-///   flushed).
-/// * A put or get larger than one SEND buffer registers the initiator's
-///   memory before its request goes out (the request carries the address
-///   and key): a put's source for the target's RDMA READ, a get's
-///   destination for the target's RDMA WRITE. The lease lasts until the
-///   answer has come back. The target registers its side (the exposed
-///   memory) for the duration of its READ or WRITE.
-/// * By default an operation's registration is dropped when it completes
+/// * Memory whose key goes to the peer (a rendezvous receive's view, in its
+///   `rtr`; a large put's source and a large get's destination, in their
+///   requests) is registered exactly, `[addr, addr + len)` and no byte
+///   more, for that one transfer, and deregistered when the peer is done
+///   with it (the data or the answer arrived) or the queue pair is in the
+///   error state: it is never cached, so the peer's key covers exactly what
+///   was granted for exactly as long (`grants.hpp`; docs/VERBS.md, "Keys").
+/// * Memory only this side's NIC touches, with keys that never leave it (a
+///   send's RDMA WRITE source, a served put's READ destination, a served
+///   get's reply source, GPU memory for the flush) comes from the caches
+///   below, held for the duration of the transfer (`registration_hold`).
+///   A registration is never released while the NIC may still touch it.
+/// * By default a cached registration is dropped when its transfer ends
 ///   (`endpoint_options::cache_registrations` = false): the cache cannot see
 ///   `free`, and a cached registration of freed and reused addresses pins the
 ///   old pages (`gdr/memory/registration_cache.hpp`, "Stale entries"). With
@@ -55,15 +55,17 @@
 namespace gdr::verbs {
 
 /// How memory reaches the NIC: host memory, and GPU memory through a
-/// dma-buf or through nvidia-peermem (`ibv_reg_mr` on the device address).
-enum class mr_route : std::uint8_t { host, dma_buf, peermem };
+/// dma-buf or through nvidia-peermem (`ibv_reg_mr` on the device address),
+/// or the test stand-in's host memory playing GPU memory (through its
+/// readable alias if it has one: `testing::stand_in_alias`).
+enum class mr_route : std::uint8_t { host, dma_buf, peermem, stand_in };
 
 /// The route of a GPUDirect probe's report ("dma-buf", "peermem"; the test
-/// stand-in's host memory: host).
+/// stand-in's host memory: stand_in).
 inline mr_route route_of(const gpudirect_report& r) noexcept {
   if (r.route == "dma-buf") return mr_route::dma_buf;
   if (r.route == "peermem") return mr_route::peermem;
-  return mr_route::host;
+  return mr_route::stand_in;
 }
 
 /// A registration backend in one protection domain with fixed access
@@ -77,6 +79,13 @@ struct mr_backend {
   result<ibv_mr*> register_range(std::uintptr_t addr, std::size_t len) noexcept {
     if (route == mr_route::dma_buf) return detail::register_dmabuf(pd, addr, len, access);
     errno = 0;
+    if (route == mr_route::stand_in) {
+      if (std::uintptr_t host = detail::stand_in_host_of(addr, len); host != 0) {
+        ibv_mr* mr = ibv_reg_mr_iova(pd, reinterpret_cast<void*>(host), len, addr, access);
+        if (mr == nullptr) return errno_code(errno != 0 ? errno : EINVAL);
+        return mr;
+      }
+    }
     ibv_mr* mr = ibv_reg_mr(pd, reinterpret_cast<void*>(addr), len, access);
     if (mr == nullptr) return errno_code(errno != 0 ? errno : EINVAL);
     return mr;
@@ -90,18 +99,83 @@ struct mr_backend {
 /// A cache of host-memory registrations.
 using mr_cache = registration_cache<mr_backend>;
 
-/// Access flags of memory a peer writes into (rendezvous receives).
+/// A transfer's hold on a cached registration, and the end the cache policy
+/// asks for. When the hold ends (destroyed, assigned over, or `end()`), its
+/// lease is released and, unless registrations stay cached
+/// (`endpoint_options::cache_registrations`), every entry of its cache that
+/// overlaps the held range is dropped (deregistered now if idle, else when
+/// its last lease goes). Every path that ends a transfer's use of memory
+/// (completion, withdrawal, failure, teardown) ends its hold, so none can
+/// leave a registration cached that the policy says must go (issue 15,
+/// defect 7: the failure paths released bare leases). Move-only; the cache
+/// must outlive the hold.
+template <class Cache>
+class basic_registration_hold {
+ public:
+  using lease_type = typename Cache::lease;
+
+  basic_registration_hold() noexcept = default;
+  /// Holds `l`, a lease of `cache` covering `[addr, addr + len)`.
+  basic_registration_hold(lease_type l, Cache& cache, const void* addr, std::size_t len, bool keep_cached) noexcept
+      : lease_(std::move(l)), cache_(&cache), addr_(addr), len_(len), keep_(keep_cached) {}
+  basic_registration_hold(basic_registration_hold&& o) noexcept
+      : lease_(std::move(o.lease_)), cache_(std::exchange(o.cache_, nullptr)), addr_(o.addr_), len_(o.len_),
+        keep_(o.keep_) {}
+  basic_registration_hold& operator=(basic_registration_hold&& o) noexcept {
+    if (this != &o) {
+      end();
+      lease_ = std::move(o.lease_);
+      cache_ = std::exchange(o.cache_, nullptr);
+      addr_ = o.addr_;
+      len_ = o.len_;
+      keep_ = o.keep_;
+    }
+    return *this;
+  }
+  ~basic_registration_hold() { end(); }
+
+  /// Holds a registration.
+  explicit operator bool() const noexcept { return static_cast<bool>(lease_); }
+  /// The registration's handle (verbs: the `ibv_mr*`).
+  const auto& handle() const noexcept { return lease_.handle(); }
+
+  /// Ends the hold now (see the class comment). Idempotent.
+  void end() noexcept {
+    if (!lease_) return;
+    lease_.release();
+    if (!keep_) cache_->invalidate(addr_, len_);
+    cache_ = nullptr;
+  }
+
+ private:
+  lease_type lease_{};
+  Cache* cache_ = nullptr;
+  const void* addr_ = nullptr;
+  std::size_t len_ = 0;
+  bool keep_ = false;
+};
+
+/// A hold on a registration of a device's cache.
+using registration_hold = basic_registration_hold<mr_cache>;
+
+/// Access flags of an exact registration whose key goes to the peer, for
+/// its WRITE (a rendezvous receive, a get's destination).
 inline constexpr int remote_write_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-/// Access flags of memory the NIC only reads (RDMA WRITE sources). No
-/// LOCAL_WRITE: a send may come from read-only pages.
-inline constexpr int local_read_access = 0;
-/// Access flags of memory a peer reads (the source of a put, which the
-/// target's NIC reads with RDMA READ). No LOCAL_WRITE either.
+/// Access flags of an exact registration whose key goes to the peer, for
+/// its READ (a put's source). No LOCAL_WRITE: a put may come from
+/// read-only pages.
 inline constexpr int remote_read_access = IBV_ACCESS_REMOTE_READ;
-/// Access flags of GPU memory on a GPUDirect endpoint: one registration
-/// serves every use (receive, RDMA source, put source), as NCCL registers
-/// its buffers.
-inline constexpr int device_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+/// Access flags of cached memory this side's NIC writes (a served put's
+/// READ destination): no remote access, its key never leaves this side.
+inline constexpr int local_write_access = IBV_ACCESS_LOCAL_WRITE;
+/// Access flags of cached memory this side's NIC only reads (RDMA WRITE
+/// sources). No LOCAL_WRITE: a send may come from read-only pages.
+inline constexpr int local_read_access = 0;
+/// Access flags of cached GPU memory on a GPUDirect endpoint (WRITE
+/// sources, served puts' READ destinations, served gets' sources): local
+/// writes, and the remote READ of the GPUDirect flush, whose loopback
+/// queue pair reads one byte of it (`flush.hpp`); no remote WRITE.
+inline constexpr int device_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ;
 
 /// One owned registration of memory the transport allocated itself.
 class owned_mr {
@@ -126,6 +200,14 @@ class owned_mr {
     return m;
   }
 
+  /// Takes ownership of `mr` (null: none).
+  static owned_mr adopt(ibv_mr* mr) noexcept {
+    owned_mr m;
+    m.mr_ = mr;
+    return m;
+  }
+
+  explicit operator bool() const noexcept { return mr_ != nullptr; }
   ibv_mr* get() const noexcept { return mr_; }
   std::uint32_t lkey() const noexcept { return mr_->lkey; }
   std::uint32_t rkey() const noexcept { return mr_->rkey; }
