@@ -1342,7 +1342,10 @@ class engine {
         complete(o, why);  // takes it off held_
         return;
       case op::stage::queued:  // eager
-        if (o.staged()) {
+        // Staged eager (launch_staged_eager: its frame is a bounce slot's)
+        // or plain (f1_, an empty Device message too): what launch chose,
+        // read from the op, not decided again from its memory space.
+        if (o.segmented()) {
           stage_slot* b = o.sq_head_;
           if (b != nullptr && b->posted) {
             if (!withdraw(b->f)) return;  // committed: it completes when written
