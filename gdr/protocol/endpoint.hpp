@@ -356,6 +356,10 @@ class basic_endpoint {
   std::pair<std::size_t, std::size_t> bounce_buffers_in_use() const noexcept {
     return eng_ ? eng_->bounce_in_use() : std::pair<std::size_t, std::size_t>{0, 0};
   }
+  /// The protocol engine's inner state in one line (each waiting
+  /// operation's list and stage, who holds each bounce buffer, the
+  /// credits): for diagnosing a stall, not a stable format.
+  std::string debug_state() const { return eng_ ? eng_->describe() : std::string("(no connection)"); }
   /// The largest message the peer accepts (0 until its handshake arrived).
   std::uint64_t peer_max_message() const noexcept { return eng_ ? eng_->peer_max_message() : 0; }
 

@@ -268,6 +268,10 @@ struct reply_slot {
   access_lease lease{};  ///< a get's source memory, held until written
   reply_slot* next_free = nullptr;
   stage_slot* bounce = nullptr;  ///< a get from Device memory: the bytes' bounce buffer
+  // A get from Device memory waiting for a tx bounce buffer (serve_wait_):
+  reply_slot* wait_next = nullptr;
+  std::uint64_t wait_id = 0;
+  std::size_t wait_len = 0;
 };
 
 /// One segment of the staged path in flight: a bounce buffer of
@@ -567,6 +571,65 @@ class engine {
   /// Bounce buffers checked out now (tx, rx): zero when nothing staged is
   /// in flight.
   std::pair<std::size_t, std::size_t> bounce_in_use() const noexcept { return {tx_.in_use, rx_.in_use}; }
+
+  /// The engine's state in one line, for a hang's diagnosis (what waits on
+  /// which list, who holds each bounce slot, the credits): not a stable
+  /// format.
+  std::string describe() const {
+    std::string out;
+    auto op_text = [](const op& o) {
+      static const char* const kinds[] = {"send", "recv", "put", "get", "close"};
+      const auto k = static_cast<std::size_t>(o.kind_);
+      return std::string(k < 5 ? kinds[k] : "op") + "(" + std::to_string(o.size_) + "B tag " + std::to_string(o.tag_) +
+             " stage " + std::to_string(static_cast<int>(o.stage_)) + (o.dev_ >= 0 ? " dev" : "") +
+             (o.remote_dev_ ? " rdev" : "") + " done " + std::to_string(o.done_) + "/" + std::to_string(o.total_) + ")";
+    };
+    auto list = [&](const char* name, const op_list& l) {
+      if (l.empty()) return;
+      out += std::string(" ") + name + "[";
+      for (const op* o = l.head; o != nullptr; o = o->next_) out += op_text(*o) + (o->next_ ? " " : "");
+      out += "]";
+    };
+    auto vec = [&](const char* name, const std::vector<op*>& v) {
+      if (v.empty()) return;
+      out += std::string(" ") + name + "[";
+      for (const op* o : v) out += op_text(*o) + " ";
+      out += "]";
+    };
+    auto pool = [&](const char* name, const stage_pool& p) {
+      out += std::string(" ") + name + " " + std::to_string(p.in_use) + "/" + std::to_string(p.count) + "{";
+      for (std::size_t i = 0; i < p.count; ++i) {
+        const stage_slot& b = p.slots[i];
+        if (b.owner != nullptr) out += op_text(*b.owner);
+        else if (b.rs != nullptr) out += "served";
+        else continue;
+        out += std::string(b.copying ? " copying" : "") + (b.ready ? " ready" : "") + (b.posted ? " posted" : "") + "; ";
+      }
+      out += "}";
+    };
+    out += "credits " + std::to_string(credits_) + " msgs " + std::to_string(send_msgs_credit_) + " bytes " +
+           std::to_string(send_bytes_credit_) + " holds " + std::to_string(order_holds_) + (paused_ ? " PAUSED" : "") +
+           " early " + std::to_string(early_.size);
+    list("held", held_);
+    list("announced", announced_);
+    list("recvs", recvs_);
+    list("awaiting", awaiting_data_);
+    list("rma", rma_);
+    list("staging", staging_);
+    list("send_wait", send_wait_);
+    list("credit_wait", credit_wait_);
+    {
+      std::size_t n = 0;
+      for (const reply_slot* w = serve_wait_head_; w != nullptr; w = w->wait_next) ++n;
+      if (n != 0) out += " serve_wait " + std::to_string(n);
+    }
+    vec("tx_wait", tx_wait_);
+    vec("rx_wait", rx_wait_);
+    vec("credit_pumps", credit_pumps_);
+    pool("tx", tx_);
+    pool("rx", rx_);
+    return out;
+  }
 
   /// The endpoint is gone: abort (if still open); the engine frees itself
   /// once nothing is in flight and every operation has resumed.
@@ -1541,6 +1604,7 @@ class engine {
       }
       m = next;
     }
+    drop_waiting_gets();
     dropped_tokens_.clear();
     dropped_answers_.clear();
     dropped_ranges_.clear();
@@ -1991,14 +2055,17 @@ class engine {
     if (l && l->on_device() && len != 0) {
       // From device memory: copied into a bounce buffer, sent from there.
       if (len <= chunk_ && !ensure_pool(tx_, true)) {
-        stage_slot* b = bounce_for_request(tx_, s, *l, h.id, len);
-        if (b == nullptr) return pause_reading();
-        if (!start_copy(*b, copy_engine::direction::to_host, s->lease.device(), b->mem, s->lease.data(), len,
-                        nullptr)) {
-          return consumed();  // answered when the copy is done
-        }
-        s->lease.release();
-        release_slot(*b);
+        // No bounce buffer free: the request waits for one in its own
+        // queue (its reply slot is the peer's credit), and the reader goes
+        // on; the frames that free bounce buffers are behind this one.
+        s->lease = std::move(*l);
+        s->wait_id = h.id;
+        s->wait_len = len;
+        s->wait_next = nullptr;
+        (serve_wait_tail_ ? serve_wait_tail_->wait_next : serve_wait_head_) = s;
+        serve_wait_tail_ = s;
+        serve_waiting_gets();
+        return consumed();
       }
       l = errc::remote_access;
     }
@@ -2234,7 +2301,46 @@ class engine {
     return true;
   }
 
+  /// Gets of Device memory served in arrival order as tx bounce buffers
+  /// come free, before this side's own operations (they hold the peer's
+  /// reply-slot credits).
+  void serve_waiting_gets() noexcept {
+    while (serve_wait_head_ != nullptr && tx_.free != nullptr) {
+      reply_slot* s = serve_wait_head_;
+      serve_wait_head_ = s->wait_next;
+      if (serve_wait_head_ == nullptr) serve_wait_tail_ = nullptr;
+      s->wait_next = nullptr;
+      if (error_) {
+        free_slot(s);
+        continue;
+      }
+      stage_slot* b = take(tx_);
+      b->rs = s;
+      b->req = s->wait_id;
+      b->len = s->wait_len;
+      if (!start_copy(*b, copy_engine::direction::to_host, s->lease.device(), b->mem, s->lease.data(), s->wait_len,
+                      nullptr)) {
+        continue;  // answered when the copy is done
+      }
+      s->lease.release();
+      release_slot(*b);
+      ++stats_->refused;
+      send_answer(s, msg::get_reply, s->wait_id, status::remote_access, nullptr, 0);
+    }
+  }
+
+  /// Gives every waiting get's reply slot back (the endpoint failed).
+  void drop_waiting_gets() noexcept {
+    while (reply_slot* s = serve_wait_head_) {
+      serve_wait_head_ = s->wait_next;
+      s->wait_next = nullptr;
+      free_slot(s);
+    }
+    serve_wait_tail_ = nullptr;
+  }
+
   void kick_waiters(bool rx) noexcept {
+    if (!rx) serve_waiting_gets();
     std::vector<op*>& q = rx ? rx_wait_ : tx_wait_;
     while (!q.empty() && (rx ? rx_.free : tx_.free) != nullptr) {
       op* o = q.front();
@@ -2960,6 +3066,8 @@ class engine {
   std::vector<std::uint64_t> dropped_answers_;  // answers to drop (cancelled puts and gets)
   std::unique_ptr<reply_slot[]> slots_;
   reply_slot* free_slots_ = nullptr;
+  reply_slot* serve_wait_head_ = nullptr;  // gets of Device memory waiting for a tx bounce buffer
+  reply_slot* serve_wait_tail_ = nullptr;
   // ---- the staged path ----
   std::size_t chunk_ = 0;          // bytes per bounce buffer
   std::uint64_t peer_seg_ = 0;     // the peer's chunk (its hello), 0: no limit

@@ -637,3 +637,49 @@ TEST_CASE_TEMPLATE("a stopped empty Device send is either withdrawn or delivered
     co_await a.close();
   });
 }
+
+// Found by the stress test (seeds 4, 16, 63, 89 on loopback and TCP). A
+// peer's get of Device memory found every tx bounce buffer taken and
+// paused this side's reader until one came free; the buffers were held by
+// operations waiting for frames behind the paused one (an announced send's
+// rtr, the answers that give back reply-slot credits): both ends stalled
+// for good. Now the request waits for a bounce buffer in its own queue and
+// the reader goes on. Here the one tx buffer is held by a staged eager
+// send whose copy is held back; before, the serving side paused (the
+// stall needs more traffic, which the stress test has).
+TEST_CASE_TEMPLATE("a peer's get of Device memory waits for a bounce buffer without stopping the reader", T,
+                   CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  STAGED_REQUIRE_KNOBS();
+  run_both<T>(
+      [&](auto& a, auto& b, staged::env* env) -> gdr::task<> {
+        auto p = pattern(1000, 6), q = pattern(3000, 7);
+        staged::dev_mem msg(p.size()), exposed(q.size());
+        msg.fill(p);
+        exposed.fill(q);
+        auto reg = gdr::register_memory(exposed.view());
+        std::vector<std::byte> got(q.size()), in(p.size());
+        // The handshake first.
+        CHECK(co_await a.send(host(in)) == in.size());
+        CHECK(co_await b.recv(host(in)) == in.size());
+        env->hold();  // b's send copies into its only tx buffer and stays there
+        op_report sr, gr;
+        gdr::task_scope scope;
+        scope.spawn(store_report(b.send(msg.view()), sr));
+        co_await gdr::sleep_for(2ms);
+        scope.spawn(store_report(a.get(host(got), reg.describe(0), {5s}), gr));
+        co_await gdr::sleep_for(5ms);  // the get's request reaches b
+        std::uint64_t paused = b.stats().paused;
+        env->release();
+        CHECK(co_await a.recv(host(in), {5s}) == p.size());
+        co_await scope.join();
+        CHECK(paused == 0);
+        CHECK(!sr.error);
+        CHECK(!gr.error);
+        CHECK(in == p);
+        CHECK(got == q);
+        CHECK(no_bounce_out(a, b));
+        co_await a.close();
+      },
+      small(64 * 1024, 1));
+}

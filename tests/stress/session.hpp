@@ -86,11 +86,6 @@ inline std::vector<std::byte> window_init(std::uint64_t seed, int owner, bool ge
                                 static_cast<std::uint64_t>(sp), 0x77696e}), n);
 }
 
-/// For diagnosis builds only (the test never sets it): describes an
-/// endpoint's inner state for a hang's list of what is pending.
-template <class Endpoint>
-inline std::string (*endpoint_dump)(const Endpoint&) = nullptr;
-
 template <class Endpoint>
 class session {
  public:
@@ -671,8 +666,8 @@ class session {
                           static_cast<unsigned long long>(s_[i].ep.stats().unexpected),
                           static_cast<unsigned long long>(s_[i].ep.stats().unexpected_rts));
       for (int i = 0; i < 2; ++i)
-        if (s_[i].local && !s_[i].dropped && endpoint_dump<Endpoint> != nullptr)
-          pending += strf("\n  side %d inside: %s", i, endpoint_dump<Endpoint>(s_[i].ep).c_str());
+        if (s_[i].local && !s_[i].dropped)
+          pending += strf("\n  side %d inside: %s", i, s_[i].ep.debug_state().c_str());
       bool only_closes = n > 0;
       for (const op_record& o : rr_.ops)
         if (o.started && !o.done && o.kind != op_kind::close) only_closes = false;
