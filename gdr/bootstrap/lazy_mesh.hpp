@@ -222,7 +222,8 @@ struct lazy_net_of final : lazy_net {
   }
   task<result<endpoint>> accept(std::chrono::milliseconds t) override {
     auto a = net.accept(t);
-    auto r = co_await std::move(a);
+    std::string why;  // the accept loop goes on whatever the words
+    auto r = co_await net_outcome(std::move(a), why);
     if (!r) co_return r.error();
     co_return endpoint(std::move(*r));
   }

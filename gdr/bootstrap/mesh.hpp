@@ -232,6 +232,22 @@ inline task<> watch_deadline(mesh_build& b) {
   b.fail("step 3 (connections): within " + std::to_string(b.timeout.count()) + " ms, " + b.missing_ranks());
 }
 
+/// The outcome of a `Net`'s connect or accept `op`, and in `why` what went
+/// wrong: the words of the `gdr::error` it threw (which say more than its
+/// code: the step of the transport's set-up that failed), else its error
+/// code's message.
+template <class E>
+task<result<E>> net_outcome(task<result<E>> op, std::string& why) {
+  try {
+    result<E> r = co_await std::move(op);
+    if (!r) why = r.error().message();
+    co_return std::move(r);
+  } catch (const error& e) {
+    why = e.what();
+    co_return e.code();
+  }
+}
+
 /// One of `max_connects_in_flight` workers: connects to the next higher
 /// rank and greets it, until none is left or something failed.
 template <class Net>
@@ -243,10 +259,10 @@ task<> connect_higher(mesh_build& b, Net& net) {
     const std::string& where = t.where[static_cast<std::size_t>(j)];
     b.greeting[static_cast<std::size_t>(j)] = 1;
     auto conn = net.connect(where, std::chrono::milliseconds(0));
-    auto ep = co_await std::move(conn);
+    std::string why;
+    auto ep = co_await net_outcome(std::move(conn), why);
     if (!ep) {
-      b.fail("step 3 (connections): connecting to rank " + std::to_string(j) + " at " + where + ": " +
-             ep.error().message());
+      b.fail("step 3 (connections): connecting to rank " + std::to_string(j) + " at " + where + ": " + why);
       break;
     }
     // Completes once the peer's endpoint said hello: once it accepted.
@@ -294,10 +310,11 @@ template <class Net>
 task<> accept_lower(mesh_build& b, Net& net) {
   while (b.missing > 0 && b.failure.empty()) {
     auto acc = with_stop_token(b.stop_accepting.get_token(), net.accept(std::chrono::milliseconds(0)));
-    auto ep = co_await std::move(acc);
+    std::string why;
+    auto ep = co_await net_outcome(std::move(acc), why);
     if (b.missing == 0 || !b.failure.empty()) break;  // stopped: done, or failed elsewhere
     if (!ep) {
-      b.fail("step 3 (connections): accepting: " + ep.error().message());
+      b.fail("step 3 (connections): accepting: " + why);
       break;
     }
     b.readers.spawn(read_mesh_hello(b, endpoint(std::move(*ep))));
@@ -322,7 +339,8 @@ struct mesh_limits {
 ///     endpoint of the transport (converts to `gdr::endpoint`), bounded by
 ///     `t` (zero: by nothing but a stop request on the awaiting coroutine's
 ///     token); several connects may be under way at once, beside one
-///     accept;
+///     accept; a failure is an error code, or a `gdr::error` thrown where
+///     the transport says more (its words end up in the step's failure);
 ///   * `void close()`: stops listening (no accept is under way then).
 template <rendezvous R, class Net>
 task<mesh> build_mesh(R& rv, std::string configured_host, mesh_limits lim, Net& net) {

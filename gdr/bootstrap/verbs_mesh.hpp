@@ -83,14 +83,11 @@ struct mesh_net {
     return {};
   }
   std::string published() const { return bracket(host) + ":" + std::to_string(l->port()); }
-  // `t` zero: no bound of its own (build_mesh's step has one deadline).
+  // `t` zero: no bound of its own (build_mesh's step has one deadline). A
+  // failure is thrown on as it is: its words name the rdma_cm step.
   static task<result<endpoint>> bounded(std::chrono::milliseconds t, task<endpoint> op) {
-    if (t.count() > 0) co_return co_await try_with_timeout(t, std::move(op));
-    try {
-      co_return co_await std::move(op);
-    } catch (const error& e) {
-      co_return e.code();
-    }
+    if (t.count() > 0) co_return co_await with_timeout(t, std::move(op));
+    co_return co_await std::move(op);
   }
   task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
     return bounded(t, verbs::connect(*sched, where, bracket(host) + ":0", *opts->registry, opts->endpoint));

@@ -206,3 +206,45 @@ TEST_CASE("a rank that cannot listen makes every rank fail with its reason") {
   ::close(lfd);
   CHECK(codes == std::vector<int>(3, gdr_test::rank_bootstrap_failed));
 }
+
+namespace {
+
+// TCP, but every connect fails with a gdr::error whose words say more than
+// its code (as a verbs connect names its rdma_cm step).
+struct wordy_net : bs::detail::tcp_net {
+  gdr::task<gdr::result<gdr::tcp::endpoint>> connect(const std::string&, std::chrono::milliseconds) {
+    throw gdr::error(gdr::errc::invalid_argument, "the transport's own words");
+    co_return gdr::errc::invalid_argument;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a connection that fails with a transport's words fails step 3 with those words") {
+  std::uint16_t port = 0;
+  int lfd = gdr_test::listen_loopback(port);
+  REQUIRE(lfd >= 0);
+  auto codes = gdr_test::run_ranks(gdr_test::first_ranks(2), 60s, [&](int rank) {
+    bs::tcp_rendezvous rv = join(rank, 2, port, lfd, 10s);
+    gdr::scheduler sched;
+    bs::mesh_options o = short_timeouts(2s);
+    wordy_net net{{&sched, &o}};
+    bs::detail::mesh_limits lim;
+    lim.timeout = o.timeout;
+    try {
+      gdr::sync_wait(sched, bs::detail::build_mesh(rv, "127.0.0.1", lim, net));
+    } catch (const gdr::error& e) {
+      // Rank 0 connects to rank 1 and says what the transport said (before:
+      // only the code's message, "invalid argument"); rank 1 names rank 0.
+      const bool ok = rank == 0 ? std::strstr(e.what(), "step 3 (connections): connecting to rank 1 at 127.0.0.1:") &&
+                                      std::strstr(e.what(), "the transport's own words")
+                                : std::strstr(e.what(), "rank 0") != nullptr;
+      if (e.code() == gdr::errc::bootstrap_failed && ok) return gdr_test::rank_bootstrap_failed;
+      std::fprintf(stderr, "rank %d: unexpected: %s\n", rank, e.what());
+      return gdr_test::rank_failed;
+    }
+    return gdr_test::rank_failed;
+  });
+  ::close(lfd);
+  CHECK(codes == std::vector<int>(2, gdr_test::rank_bootstrap_failed));
+}

@@ -30,12 +30,12 @@ using namespace verbs_test;
 // has not yet set up the continuation of the payload. The transport then
 // set the continuation up with the get's buffer all the same, and the
 // SENDs after the first wrote into the buffer after the get had returned.
-// b's early-message store is full while a stops, so b answers only after.
+// b's reader is held while a stops (endpoint::hold_reading), so b answers
+// only after.
 TEST_CASE("a large get stopped while its answer comes as SENDs writes nothing into its buffer after it returns") {
   REQUIRE_VERBS();
   gdr::verbs::endpoint_options oa, ob;
   ob.registration_limit = 64 * 1024;
-  ob.protocol.unexpected_messages = 1;
   with_pair(
       [](auto& a, auto& b) -> gdr::task<> {
         const std::size_t n = std::size_t{4} << 20;  // 128 SENDs of answer
@@ -44,11 +44,10 @@ TEST_CASE("a large get stopped while its answer comes as SENDs writes nothing in
         auto rv = reg.describe(0);
         for (int round = 0; round < 3; ++round) {
           CAPTURE(round);
-          // Two messages b does not receive yet: the second one stops b's
-          // reader (its store holds one), so the get request behind waits.
-          std::vector<std::byte> m1 = pattern(100, 1), m2 = pattern(100, 2);
-          co_await a.send(chost(m1));
-          co_await a.send(chost(m2));
+          // b stops reading, as a stopped process, so the get request
+          // waits there unread. (b's early-message store cannot stop its
+          // reader: a's early credits hold a's sends back instead.)
+          b.hold_reading(true);
           std::vector<std::byte> back(n, std::byte{0});
           std::stop_source stop;
           std::uint64_t wrs = a.stats().send_wrs;
@@ -59,9 +58,7 @@ TEST_CASE("a large get stopped while its answer comes as SENDs writes nothing in
                                                  co_await gdr::sleep_for(2ms);
                                                  stop.request_stop();
                                                  // b reads again: the request, then the answer as SENDs.
-                                                 std::vector<std::byte> in(100);
-                                                 co_await b.recv(host(in));
-                                                 co_await b.recv(host(in));
+                                                 b.hold_reading(false);
                                                  co_return 0;
                                                }());
           CHECK(g.error == gdr::errc::cancelled);
@@ -82,4 +79,42 @@ TEST_CASE("a large get stopped while its answer comes as SENDs writes nothing in
         co_await a.close();
       },
       oa, ob);
+}
+
+// The seam the tests above stop a peer with (a gdr peer's reader never
+// stops by itself: the early credits hold the sender back instead).
+TEST_CASE("a held reader reads nothing until it is let go, then every frame in order") {
+  REQUIRE_VERBS();
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    std::vector<std::byte> m0 = pattern(100, 0), in0(100);
+    co_await gdr::when_all(report_of(a.send(chost(m0))), report_of(b.recv(host(in0))));
+    b.hold_reading(true);
+    std::vector<std::vector<std::byte>> out, in;
+    for (std::uint32_t i = 1; i <= 3; ++i) {
+      out.push_back(pattern(i == 2 ? 100'000 : 100, i));  // one by rendezvous (an rtr b does not read)
+      in.emplace_back(out.back().size());
+    }
+    int got = 0;
+    co_await gdr::when_all(
+        [&]() -> gdr::task<int> {
+          for (auto& m : out) co_await a.send(chost(m));
+          co_return 0;
+        }(),
+        [&]() -> gdr::task<int> {
+          for (auto& m : in) {
+            co_await b.recv(host(m));
+            ++got;
+          }
+          co_return 0;
+        }(),
+        [&]() -> gdr::task<int> {
+          co_await gdr::sleep_for(200ms);
+          CHECK(got == 0);  // the first message arrived long ago, unread
+          b.hold_reading(false);
+          co_return 0;
+        }());
+    CHECK(got == 3);
+    CHECK(in == out);
+    co_await a.close();
+  });
 }

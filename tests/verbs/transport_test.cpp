@@ -532,7 +532,7 @@ TEST_CASE("a burst of sends cut off by a queue pair error ends every send exactl
   oa.keepalive = ob.keepalive = 100ms;
   oa.ack_timeout = ob.ack_timeout = 12;  // 17 ms per try
   oa.retry_count = ob.retry_count = 3;
-  // b keeps few early messages and then stops reading: a runs out of
+  // b keeps few early messages and receives none: a runs out of its early
   // credits, and the rest of the burst waits unposted.
   ob.protocol.unexpected_messages = 8;
   with_pair(

@@ -146,21 +146,13 @@ inline result<gdr::detail::verbs::connection*> make_connection(scheduler& s, rdm
 
 }  // namespace detail
 
-/// Connects to `to` from the local address `from` (its port 0: any), both
-/// IP addresses of an RDMA device (RoCE: of the device's network
-/// interface). Returns the endpoint once rdma_cm has established the
-/// connection. Throws `gdr::error`: the rdma_cm step's errno
-/// (`ECONNREFUSED` when nobody listens yet: retry), `errc::no_device`,
-/// `errc::gpudirect_unavailable` (asked for GPUDirect and the probe said no).
-///
-/// \code
-///   gdr::verbs::endpoint ep = co_await gdr::verbs::connect(sched, "10.0.0.2:7471", "10.0.0.1:0");
-/// \endcode
-inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_view from,
-                              memory_registry& registry = default_registry(), endpoint_options opts = {}) {
-  result<address> dst = address::parse(to);
+namespace detail {
+
+/// `verbs::connect` once its addresses are parsed (by value: the task is
+/// lazy, and the strings they came from may be gone when it starts).
+inline task<endpoint> connect_parsed(scheduler& s, result<address> dst, result<address> src, memory_registry& registry,
+                                     endpoint_options opts) {
   if (!dst) throw gdr::error(dst.error(), "gdr::verbs::connect: destination address");
-  result<address> src = address::parse(from);
   if (!src) throw gdr::error(src.error(), "gdr::verbs::connect: source address");
   rdma_event_channel* ch = rdma_create_event_channel();
   if (ch == nullptr) throw gdr::error(errno_code(errno), "gdr::verbs::connect: rdma_create_event_channel");
@@ -233,6 +225,25 @@ inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_vie
   }
   (*c)->start(est->peer);
   co_return endpoint(*c);
+}
+
+}  // namespace detail
+
+/// Connects to `to` from the local address `from` (its port 0: any), both
+/// IP addresses of an RDMA device (RoCE: of the device's network
+/// interface). Returns the endpoint once rdma_cm has established the
+/// connection. Throws `gdr::error`: the rdma_cm step's errno
+/// (`ECONNREFUSED` when nobody listens yet: retry), `errc::no_device`,
+/// `errc::gpudirect_unavailable` (asked for GPUDirect and the probe said no).
+/// Both strings are read here, when the task is made: they need not outlive
+/// it (`connect(s, where, host + ":0")` is fine).
+///
+/// \code
+///   gdr::verbs::endpoint ep = co_await gdr::verbs::connect(sched, "10.0.0.2:7471", "10.0.0.1:0");
+/// \endcode
+inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_view from,
+                              memory_registry& registry = default_registry(), endpoint_options opts = {}) {
+  return detail::connect_parsed(s, address::parse(to), address::parse(from), registry, std::move(opts));
 }
 
 /// Accepts connections on an IP address and port of an RDMA device.

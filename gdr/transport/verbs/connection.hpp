@@ -191,6 +191,17 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   ibv_qp* qp() const noexcept { return id_ != nullptr ? id_->qp : nullptr; }
   /// The last address, length and key this side sent its peer.
   gdr::verbs::key_info last_key_sent() const noexcept { return last_key_; }
+  /// Tests: holds this side's reader (`on`), as in a process that stopped,
+  /// or lets it go on. While held, what the peer sends still arrives (the
+  /// NIC takes it into the posted buffers, and the credits it carries are
+  /// counted) but none of it reaches the engine; let go, it is parsed in
+  /// order (from the loop). The peer's early credits keep a gdr peer's
+  /// reader from ever stopping by itself: this is how a test makes frames
+  /// wait unread on the far side.
+  void hold_reading(bool on) noexcept {
+    held_ = on;
+    if (!on && !failed() && backlog_head_ != backlog_tail_) kick();
+  }
   /// The device's GPUDirect flush queue pair, if it has one.
   ibv_qp* flush_qp() const noexcept { return dq_ != nullptr && dq_->flush ? dq_->flush->qp : nullptr; }
   /// Forgets the cached registrations overlapping the range (every cache
@@ -646,6 +657,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   bool established_ = false;
   bool shut_ = false;
   bool paused_ = false;
+  bool held_ = false;  // hold_reading (tests)
   bool peer_gone_ = false;
   transfer_path tx_path_ = transfer_path::host_eager;
   std::chrono::steady_clock::time_point last_activity_{};  // when a tick last saw activity

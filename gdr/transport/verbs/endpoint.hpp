@@ -115,6 +115,15 @@ class endpoint : public basic_endpoint<transport> {
   /// its peer's NIC about (an rtr's receive, a large put's source or get's
   /// destination), for tests of what a peer can reach.
   key_info last_key_sent() const noexcept { return conn() != nullptr ? conn()->last_key_sent() : key_info{}; }
+  /// For tests: holds this side's reader (`on`), as in a process that
+  /// stopped, or lets it go on. While held, what the peer sends arrives
+  /// (its NIC is answered) but no frame of it is read; let go, the frames
+  /// are read in order. A gdr peer's reader never stops by itself (the
+  /// early credits hold the sender back instead), so this is how a test
+  /// keeps frames unread on the far side. Never for production.
+  void hold_reading(bool on) noexcept {
+    if (conn() != nullptr) conn()->hold_reading(on);
+  }
   /// The GPUDirect flush's loopback queue pair this endpoint uses (shared by
   /// the endpoints of its device and scheduler; null when it has none), for
   /// diagnostics and fault injection in tests.

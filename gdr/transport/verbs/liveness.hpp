@@ -95,7 +95,7 @@ inline void connection::cm_events() noexcept {
           // completion queue: take it first.
           poller_->drain();
           if (!failed() && !shut_) {
-            if (paused_ && backlog_head_ != backlog_tail_) {
+            if ((paused_ || held_) && backlog_head_ != backlog_tail_) {
               peer_gone_ = true;  // after the kept frames (parse)
             } else {
               on_link_failed(errc::connection_lost);

@@ -11,8 +11,9 @@
 /// carries nothing in its buffer: its immediate names the grant the peer's
 /// NIC has just filled (`grants.hpp`). Parsing stops while the engine holds
 /// back (`pause`), while a placement waits for the NIC (`rdma_read.hpp`),
-/// and once the connection failed; credits are still read from every
-/// completion that arrives meanwhile.
+/// while a test holds the reader (`hold_reading`), and once the connection
+/// failed; credits are still read from every completion that arrives
+/// meanwhile.
 ///
 /// A payload that comes as SENDs is copied into its destination buffer by
 /// buffer; the engine may stop the placement between two buffers
@@ -96,7 +97,7 @@ inline void connection::push_backlog(rx_item it) noexcept {
 
 /// Hands the consumed buffers to the engine, in order, until it pauses.
 inline void connection::parse() noexcept {
-  while (!paused_ && gate_.is_open() && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
+  while (!paused_ && !held_ && gate_.is_open() && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
     const rx_item& it = backlog_[backlog_head_ % rx_n_];
     bool done = it.is_imm ? rx_write_arrived(it) : rx_buffer(it);
     if (!done) return;
