@@ -94,10 +94,12 @@
 /// fails the connection with `errc::gpudirect_unavailable`, never copies.
 ///
 /// Credits. A put or get request holds one of the target's reply slots
-/// until its answer is written. Each hello says how many the sender has;
+/// until its answer is written. Each hello says how many the sender grants;
 /// the other side keeps at most that many requests unanswered, and the rest
 /// wait on the initiator's side, so puts and gets in both directions at
-/// once never leave both readers waiting for a slot.
+/// once never leave both readers waiting for a slot. The slots are
+/// allocated when first needed; a request none can be allocated for is
+/// answered `status::no_memory` from a spare slot (see "Reply slots").
 ///
 /// Failure. When the transport fails (peer gone, protocol error) or the
 /// endpoint closes, every pending and later operation fails with that
@@ -263,10 +265,13 @@ struct frame {
 };
 
 /// A frame this side owes its peer (an answer), with what it holds.
+/// Allocated one at a time when a request finds none free (see "Reply
+/// slots" in the engine).
 struct reply_slot {
   frame f;
   access_lease lease{};  ///< a get's source memory, held until written
   reply_slot* next_free = nullptr;
+  reply_slot* next_made = nullptr;  ///< every slot the engine allocated (freed with it)
   stage_slot* bounce = nullptr;  ///< a get from Device memory: the bytes' bounce buffer
   // A get from Device memory waiting for a tx bounce buffer (serve_wait_):
   reply_slot* wait_next = nullptr;
@@ -782,12 +787,8 @@ class engine {
       : sched_(&s), registry_(&reg), opts_(o), stats_(&stats) {
     if (opts_.rendezvous_threshold > opts_.max_message) opts_.rendezvous_threshold = opts_.max_message;
     std::size_t n = std::max<std::size_t>(opts_.reply_slots, 1);
-    slots_.reset(new reply_slot[n]);
-    for (std::size_t i = n; i-- > 0;) {
-      slots_[i].f.slot = &slots_[i];
-      slots_[i].next_free = free_slots_;
-      free_slots_ = &slots_[i];
-    }
+    slot_limit_ = n;
+    spare_slot_.f.slot = &spare_slot_;
     resume_node_.self = this;
     resume_node_.run = &on_resume_node;
     chunk_ = std::max<std::size_t>(opts_.staging.chunk, 1);
@@ -801,6 +802,10 @@ class engine {
 
   virtual ~engine() {
     while (early_msg* m = early_.pop_front()) delete m;
+    while (reply_slot* s = slots_made_) {
+      slots_made_ = s->next_made;
+      delete s;
+    }
   }
 
   /// Sends the hello. The transport calls it once, when it is ready to
@@ -2005,6 +2010,12 @@ class engine {
     reply_slot* s = take_slot();
     if (s == nullptr) return pause_reading();
     auto len = static_cast<std::size_t>(h.length);
+    if (s == &spare_slot_) {
+      // No slot could be allocated: refused, the payload read and dropped.
+      ++stats_->no_memory;
+      send_answer(s, msg::put_ack, h.id, status::no_memory, nullptr, 0);
+      return drop(len);
+    }
     result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::write, can_stage() || device_direct_);
     if (l && l->on_device() && len != 0 && device_direct_) {
       // GPUDirect: the NIC writes the exposed device memory.
@@ -2043,6 +2054,11 @@ class engine {
   rx_plan rx_get_request(const header& h) noexcept {
     reply_slot* s = take_slot();
     if (s == nullptr) return pause_reading();
+    if (s == &spare_slot_) {
+      ++stats_->no_memory;
+      send_answer(s, msg::get_reply, h.id, status::no_memory, nullptr, 0);
+      return consumed();
+    }
     auto len = static_cast<std::size_t>(h.size);
     result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::read, can_stage() || device_direct_);
     if (l && l->on_device() && len != 0 && device_direct_) {
@@ -2096,7 +2112,7 @@ class engine {
     delist(*o);
     o->stage_ = op::stage::idle;
     if (h.st != status::ok) {
-      complete(*o, errc::remote_access);
+      complete(*o, answer_error(h.st));
       return consumed();
     }
     if (!get) {
@@ -2796,7 +2812,7 @@ class engine {
     std::size_t len = o.size_ == 0 ? 0 : std::min(o.seg_, o.total_ - off);
     if (h.st != status::ok) {
       --o.out_;
-      complete(o, errc::remote_access);
+      complete(o, answer_error(h.st));
       return h.length != 0 ? drop(h.length) : consumed();
     }
     if (o.kind_ == op::kind::put) {
@@ -2955,10 +2971,51 @@ class engine {
 
   // ---------------------------------------------------------------- answers
 
+  // Reply slots. An endpoint grants its peer `reply_slots` credits in its
+  // hello from the start, but allocates a slot only when a request finds
+  // none free (an idle endpoint holds none: 64 of them were 16.5 KiB,
+  // zeroed at creation, benchmarks/RESULTS.md "Idle endpoints"); a slot is
+  // kept once made, so a steady stream of requests allocates nothing. The
+  // peer never has more requests unanswered than the credits, so at most
+  // `reply_slots` are made. When one cannot be allocated, the request is
+  // answered from the spare slot, which every engine holds, with
+  // `status::no_memory`: that put or get fails with
+  // `std::errc::not_enough_memory` on the peer, whose credit comes back with
+  // the answer, and the connection goes on. While the spare's answer is not
+  // yet written, a further request that finds no slot pauses the reader, as
+  // one does when every slot is in use, until it is.
+
   reply_slot* take_slot() noexcept {
     reply_slot* s = free_slots_;
-    if (s != nullptr) free_slots_ = s->next_free;
+    if (s != nullptr) {
+      free_slots_ = s->next_free;
+      return s;
+    }
+    return make_slot();
+  }
+
+  /// No free slot: a new one if the credits allow it and memory is there,
+  /// else the spare (when no slot could be allocated and it is free), else
+  /// null (every slot is in use: the caller pauses).
+  reply_slot* make_slot() noexcept {
+    if (slots_made_count_ >= slot_limit_) return nullptr;
+    auto* s = new (std::nothrow) reply_slot;
+    if (s == nullptr) {
+      if (spare_busy_) return nullptr;
+      spare_busy_ = true;
+      return &spare_slot_;
+    }
+    s->f.slot = s;
+    s->next_made = slots_made_;
+    slots_made_ = s;
+    ++slots_made_count_;
     return s;
+  }
+
+  /// The error a put or get fails with for a refusing answer.
+  static std::error_code answer_error(status st) noexcept {
+    if (st == status::no_memory) return errno_code(ENOMEM);
+    return errc::remote_access;
   }
   /// A bounce buffer of `p` for serving request `id` (reply slot `s`, lease
   /// `l` on device memory, `len` bytes). Null when none is free: the lease
@@ -2981,6 +3038,7 @@ class engine {
   /// Returns a slot taken a moment ago, without resuming a paused reader
   /// (the header that took it is about to pause).
   void put_back_slot(reply_slot* s) noexcept {
+    assert(s != &spare_slot_ && "gdr: the spare reply slot serves no request");
     s->next_free = free_slots_;
     free_slots_ = s;
   }
@@ -2990,8 +3048,12 @@ class engine {
     if (stage_slot* b = std::exchange(s->bounce, nullptr)) release_slot(*b);
     s->f.reset(nullptr);
     s->f.slot = s;
-    s->next_free = free_slots_;
-    free_slots_ = s;
+    if (s == &spare_slot_) {
+      spare_busy_ = false;
+    } else {
+      s->next_free = free_slots_;
+      free_slots_ = s;
+    }
     resume_reading();
   }
 
@@ -3064,10 +3126,14 @@ class engine {
   std::size_t early_bytes_ = 0;
   std::vector<std::uint64_t> dropped_tokens_;   // rendezvous data to drop (cancelled receives)
   std::vector<std::uint64_t> dropped_answers_;  // answers to drop (cancelled puts and gets)
-  std::unique_ptr<reply_slot[]> slots_;
   reply_slot* free_slots_ = nullptr;
   reply_slot* serve_wait_head_ = nullptr;  // gets of Device memory waiting for a tx bounce buffer
   reply_slot* serve_wait_tail_ = nullptr;
+  reply_slot* slots_made_ = nullptr;   // every slot allocated (next_made), freed with the engine
+  std::size_t slots_made_count_ = 0;
+  std::size_t slot_limit_ = 0;         // the credits granted in the hello
+  reply_slot spare_slot_{};            // answers no_memory when no slot can be allocated
+  bool spare_busy_ = false;
   // ---- the staged path ----
   std::size_t chunk_ = 0;          // bytes per bounce buffer
   std::uint64_t peer_seg_ = 0;     // the peer's chunk (its hello), 0: no limit

@@ -95,6 +95,7 @@ constexpr const char* to_string(msg m) noexcept {
 enum class status : std::uint8_t {
   ok = 0,
   remote_access = 1,  ///< outside a registration, wrong key, revoked, or not permitted
+  no_memory = 2,      ///< the target could not allocate the reply slot to serve it
 };
 
 /// Capability bits of `hello`'s `tag`.
@@ -142,7 +143,7 @@ constexpr bool has_payload(msg m) noexcept {
 /// The transport checks its own framing (magic, version, order) first.
 constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
   if (!flags_allowed(h.type, h.flags)) return false;
-  if (static_cast<std::uint8_t>(h.st) > static_cast<std::uint8_t>(status::remote_access)) return false;
+  if (static_cast<std::uint8_t>(h.st) > static_cast<std::uint8_t>(status::no_memory)) return false;
   bool st_zero = h.st == status::ok;
   if (!has_payload(h.type) && h.length != 0) return false;
   if (h.length > max_message) return false;

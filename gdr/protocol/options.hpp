@@ -78,7 +78,10 @@ struct protocol_options {
   std::size_t unexpected_messages = 4096;
   /// The peer's one-sided requests (put, get) served at once, and answers
   /// owed to it; the peer keeps at most this many unanswered (told in the
-  /// hello), the rest wait on its side.
+  /// hello), the rest wait on its side. A slot (about 270 bytes) is
+  /// allocated when a request first needs it and kept; an idle endpoint
+  /// holds none. A request that finds no memory for one fails alone with
+  /// `std::errc::not_enough_memory` on the peer's side.
   std::size_t reply_slots = 64;
   /// The longest message, put or get this side accepts; told to the peer in
   /// the handshake, so that a larger send fails alone on the sender with
@@ -107,6 +110,8 @@ struct protocol_stats : transfer_stats {
   std::uint64_t served_puts = 0;       ///< the peer's puts applied to registered memory
   std::uint64_t served_gets = 0;       ///< the peer's gets answered with data
   std::uint64_t refused = 0;           ///< the peer's puts/gets refused (errc::remote_access on its side)
+  std::uint64_t no_memory = 0;         ///< the peer's puts/gets refused for want of memory for a reply slot
+                                       ///< (`std::errc::not_enough_memory` on its side)
   std::uint64_t staged_chunks = 0;     ///< device copies of the staged path (chunks through bounce buffers)
 };
 

@@ -13,9 +13,19 @@
 //   gdr_test_support::failing_allocations after_one(1);  // the first succeeds, the rest fail
 //
 // Only the arming thread's allocations fail; others are not affected.
+//
+// It also counts the bytes this thread holds through operator new (what it
+// allocated minus what it freed, as malloc_usable_size sees them), for tests
+// of what an object costs:
+//
+//   long long before = gdr_test_support::live_bytes();
+//   ... make it ...
+//   CHECK(gdr_test_support::live_bytes() - before <= budget);
 // Include it as "tests/support/alloc_failure.hpp" from tests that depend on
 // //tests/support:alloc_failure.
 #pragma once
+
+#include <malloc.h>
 
 #include <cstddef>
 #include <cstdlib>
@@ -28,6 +38,7 @@ namespace alloc_failure_detail {
 // -1: not armed; otherwise allocations left to succeed before failing.
 inline thread_local long succeed_left = -1;
 inline thread_local long failed = 0;
+inline thread_local long long live = 0;  // bytes allocated minus bytes freed, this thread
 
 inline void* allocate(std::size_t n) noexcept {
   if (succeed_left == 0) {
@@ -35,9 +46,21 @@ inline void* allocate(std::size_t n) noexcept {
     return nullptr;
   }
   if (succeed_left > 0) --succeed_left;
-  return std::malloc(n != 0 ? n : 1);
+  void* p = std::malloc(n != 0 ? n : 1);
+  if (p != nullptr) live += static_cast<long long>(::malloc_usable_size(p));
+  return p;
+}
+
+inline void release(void* p) noexcept {
+  if (p == nullptr) return;
+  live -= static_cast<long long>(::malloc_usable_size(p));
+  std::free(p);
 }
 }  // namespace alloc_failure_detail
+
+/// The bytes this thread's operator new allocated minus those this thread's
+/// operator delete freed (usable sizes), since the thread started.
+inline long long live_bytes() noexcept { return alloc_failure_detail::live; }
 
 /// While it lives, the calling thread's allocations through operator new
 /// fail (`std::bad_alloc`, or null for the nothrow forms) after the first
@@ -72,9 +95,9 @@ void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
 void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
   return gdr_test_support::alloc_failure_detail::allocate(n);
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p) noexcept { gdr_test_support::alloc_failure_detail::release(p); }
+void operator delete[](void* p) noexcept { gdr_test_support::alloc_failure_detail::release(p); }
+void operator delete(void* p, std::size_t) noexcept { gdr_test_support::alloc_failure_detail::release(p); }
+void operator delete[](void* p, std::size_t) noexcept { gdr_test_support::alloc_failure_detail::release(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { gdr_test_support::alloc_failure_detail::release(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { gdr_test_support::alloc_failure_detail::release(p); }

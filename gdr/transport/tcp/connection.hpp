@@ -33,8 +33,10 @@
 /// iteration (`endpoint_options::spin_reads_in_busy_poll`). A read decided
 /// inside an event handler enters the SQ after the sends that the handler's
 /// resumed coroutines queue, so a reply leaves first. Normally it reads up to
-/// `rx_buffer` bytes into the staging buffer, and the parser walks the frames
-/// found there: each header goes to the engine (`on_header`), which says
+/// `rx_buffer` bytes into the staging buffer (512 bytes inside the
+/// connection until a read fills them; then `rx_buffer` bytes are
+/// allocated, so an idle endpoint holds none), and the parser walks the
+/// frames found there: each header goes to the engine (`on_header`), which says
 /// where its payload goes. The part of a payload already staged is copied;
 /// a rest larger than `direct_read_threshold` is read by the kernel straight
 /// into its destination (`MSG_WAITALL`, no intermediate copy). After a large
@@ -85,7 +87,9 @@ struct endpoint_options {
   /// store, reply slots, the largest message accepted).
   protocol_options protocol{};
   /// Size of the staging buffer each read fills (clamped to at least one
-  /// header plus `direct_read_threshold`).
+  /// header plus `direct_read_threshold`). Allocated when a read first
+  /// fills the 512 bytes a connection starts with (an idle endpoint holds
+  /// none); without memory for it, reading goes on 512 bytes at a time.
   std::size_t rx_buffer = 64 * 1024;
   /// A payload rest larger than this is read by the kernel straight into
   /// its destination instead of through the staging buffer (one system call
@@ -153,6 +157,9 @@ class connection final : public proto::engine {
   /// Batches of at most this many bytes (headers and payloads) are copied
   /// into one buffer and written with `send` instead of `sendmsg`.
   static constexpr std::size_t small_write = 512;
+  /// The staging buffer a connection starts with, inside it; the
+  /// `rx_buffer` bytes are allocated once a read fills it.
+  static constexpr std::size_t rx_inline = 512;
 
   /// Takes over `sock` (connected; options already applied), says hello and
   /// starts reading. Call on `s`'s thread, or before `s` runs. Throws
@@ -160,8 +167,8 @@ class connection final : public proto::engine {
   connection(scheduler& s, gdr::tcp::socket sock, memory_registry& reg, const endpoint_options& o)
       : engine(s, reg, o.protocol, stats_, proto::caps::host), sock_(std::move(sock)), topts_(o) {
     direct_min_ = std::max<std::size_t>(topts_.direct_read_threshold, 1);
-    rx_cap_ = std::max(topts_.rx_buffer, wire::header_size + direct_min_);
-    rx_buf_.reset(new std::byte[rx_cap_]);
+    rx_full_ = std::max(topts_.rx_buffer, wire::header_size + direct_min_);
+    rx_cap_ = std::min(rx_full_, sizeof rx_small_);
     read_op_.self = this;
     read_op_.complete = &on_read;
     write_op_.self = this;
@@ -565,7 +572,7 @@ class connection final : public proto::engine {
       if (tgt_.active) {
         std::size_t n = std::min(tgt_.want - tgt_.done, avail);
         if (n != 0) {
-          std::memcpy(tgt_.dst + tgt_.done, rx_buf_.get() + rx_pos_, n);
+          std::memcpy(tgt_.dst + tgt_.done, rx_buf_ + rx_pos_, n);
           rx_pos_ += n;
           tgt_.done += n;
         }
@@ -587,7 +594,7 @@ class connection final : public proto::engine {
   /// Handles the frame whose header starts at rx_pos_. False: stop pumping
   /// (paused or failed).
   bool parse_one() noexcept {
-    const std::byte* p = rx_buf_.get() + rx_pos_;
+    const std::byte* p = rx_buf_ + rx_pos_;
     gdr::tcp::frame_parse_result r =
         gdr::tcp::parse_frame(std::span<const std::byte>(p, wire::header_size), options().max_message);
     if (r.status != gdr::tcp::frame_status::ok) {
@@ -640,7 +647,7 @@ class connection final : public proto::engine {
     } else if (rx_cap_ - rx_end_ < wire::header_size + direct_min_ && rx_pos_ != 0) {
       // Slide the partial frame to the front so that a header and a small
       // payload fit.
-      std::memmove(rx_buf_.get(), rx_buf_.get() + rx_pos_, rx_end_ - rx_pos_);
+      std::memmove(rx_buf_, rx_buf_ + rx_pos_, rx_end_ - rx_pos_);
       rx_end_ -= rx_pos_;
       rx_pos_ = 0;
     }
@@ -650,7 +657,23 @@ class connection final : public proto::engine {
     // likely large too and should go straight to its destination, not
     // through here.
     if (large_ && rx_end_ == rx_pos_ && skip_ == 0 && !tgt_.active) n = wire::header_size;
-    submit_read(rx_buf_.get() + rx_end_, n, 0, false, drained_);
+    submit_read(rx_buf_ + rx_end_, n, 0, false, drained_);
+  }
+
+  /// A staging read filled the inline buffer: more is likely waiting, so
+  /// the staging buffer becomes a heap one of `rx_buffer` bytes, with the
+  /// bytes not yet parsed moved to its front. Without memory the reader goes
+  /// on through the inline buffer (more reads, nothing lost) and tries again
+  /// after the next full read.
+  void grow_rx() noexcept {
+    auto* b = new (std::nothrow) std::byte[rx_full_];
+    if (b == nullptr) return;
+    std::memcpy(b, rx_buf_ + rx_pos_, rx_end_ - rx_pos_);
+    rx_end_ -= rx_pos_;
+    rx_pos_ = 0;
+    rx_big_.reset(b);
+    rx_buf_ = b;
+    rx_cap_ = rx_full_;
   }
 
   /// Reads the rest of the current payload straight into its destination.
@@ -795,6 +818,7 @@ class connection final : public proto::engine {
     } else {
       rx_end_ += got;
       drained_ = got < last_ask_;
+      if (!drained_ && rx_cap_ < rx_full_) grow_rx();
     }
     if (!failed() && (res == 0 || (res < 0 && res != -ECANCELED && res != -EINTR && res != -EAGAIN))) {
       // End of stream without a close frame, or a reset: the peer is gone.
@@ -839,6 +863,7 @@ class connection final : public proto::engine {
   msghdr msg_{};
   iovec iov_[2 * max_batch]{};
   std::byte small_buf_[small_write];  // a small batch, copied (start_write)
+  alignas(8) std::byte rx_small_[rx_inline];  // the first staging buffer (see rx_buf_)
 
   // reader
   conn_op read_op_{};
@@ -856,8 +881,13 @@ class connection final : public proto::engine {
   bool spin_pending_ = false;     // the read in flight is a spinning one
   bool spin_cancel_ = false;      // ... and is to end with -ECANCELED
   bool rx_paused_ = false;        // the engine paused on the header at rx_pos_
-  std::unique_ptr<std::byte[]> rx_buf_;
-  std::size_t rx_cap_ = 0;
+  // The staging buffer: the inline one until a read fills it, then a heap
+  // one of rx_full_ bytes (grow_rx). An idle endpoint reads its peer's
+  // hello and credit (128 bytes) and keeps no 64 KiB buffer.
+  std::byte* rx_buf_ = rx_small_;
+  std::unique_ptr<std::byte[]> rx_big_;
+  std::size_t rx_cap_ = 0;   // rx_buf_'s size
+  std::size_t rx_full_ = 0;  // the heap buffer's size (rx_buffer, at least a header and a small payload)
   std::size_t rx_pos_ = 0;
   std::size_t rx_end_ = 0;
   std::size_t direct_min_ = 0;

@@ -169,7 +169,7 @@ constexpr frame_parse_result parse_frame(std::span<const std::byte> in,
   h.addr = detail::get_le<std::uint64_t>(p + 48);
   h.key = detail::get_le<std::uint64_t>(p + 56);
   if (!proto::flags_allowed(h.type, h.flags)) return {frame_status::bad_flags, {}, 0};
-  if (status > static_cast<std::uint8_t>(proto::status::remote_access)) return {frame_status::bad_field, {}, 0};
+  if (status > static_cast<std::uint8_t>(proto::status::no_memory)) return {frame_status::bad_field, {}, 0};
   h.st = static_cast<proto::status>(status);
   if (h.length > max_message) return {frame_status::too_long, {}, 0};
   if (!proto::valid(h, max_message)) return {frame_status::bad_field, {}, 0};

@@ -82,7 +82,7 @@ inline constexpr std::size_t wire_size = sizeof(wire_header);
 inline bool decode(const wire_header& w, std::uint64_t max, proto::header& h) noexcept {
   if (w.kind != wire_header::frame || w.pad1 != 0) return false;
   if (w.type < proto::msg_min || w.type > proto::msg_max) return false;
-  if (w.status > static_cast<std::uint8_t>(proto::status::remote_access)) return false;
+  if (w.status > static_cast<std::uint8_t>(proto::status::no_memory)) return false;
   h = proto::header{};
   h.type = static_cast<proto::msg>(w.type);
   h.st = static_cast<proto::status>(w.status);
