@@ -64,7 +64,9 @@
 /// Close. `close()` sends a `close` frame after every send already started
 /// (held ones once the hello arrives; rendezvous ones once their receive has
 /// taken them: a close waits for the peer to receive what was sent, bounded
-/// by the close's own timeout), then fails what is still pending with
+/// by the close's own timeout; a closing peer declines the announcements it
+/// will never receive with `rts_withdrawn`, and those sends fail with
+/// `errc::peer_closed`), then fails what is still pending with
 /// `errc::closed`; the peer fails its pending operations with
 /// `errc::peer_closed` after receiving everything sent before. Both ends
 /// then end the connection in order (`link_close`): a stream transport
@@ -1335,9 +1337,10 @@ class engine {
       }
       return true;
     }
+    decline_kept_announcements();
     // The close frame follows every send already started: those waiting
     // for the peer's hello, and rendezvous sends until their receive has
-    // taken them (maybe_post_close).
+    // taken them or the peer has declined them (maybe_post_close).
     maybe_post_close();
     return true;
   }
@@ -1365,7 +1368,10 @@ class engine {
         complete(o, why);  // takes it off held_
         return;
       case op::stage::queued:  // eager
-        if (o.staged()) {
+        // Staged eager (launch_staged_eager: its frame is a bounce slot's)
+        // or plain (f1_, an empty Device message too): what launch chose,
+        // read from the op, not decided again from its memory space.
+        if (o.segmented()) {
           stage_slot* b = o.sq_head_;
           if (b != nullptr && b->posted) {
             if (!withdraw(b->f)) return;  // committed: it completes when written
@@ -1865,7 +1871,10 @@ class engine {
       match_rts(*r, h.size, h.id);
       return consumed();
     }
-    if (closing_) return consumed();  // no receive will take it: the sender learns from the close frame
+    if (closing_) {  // no receive will take it: the sender learns now
+      answer_withdrawn(h.id);
+      return consumed();
+    }
     if (early_.size >= opts_.unexpected_messages) return pause_reading();
     auto* m = new (std::nothrow) early_msg;
     if (m == nullptr) return pause_reading();
@@ -1945,32 +1954,62 @@ class engine {
   rx_plan rx_rts_cancel(const header& h) noexcept {
     for (early_msg* m = early_.head; m != nullptr; m = m->next) {
       if (!m->rts || m->sid != h.id) continue;
-      // The answer goes in a frame of its own, not a reply slot: the
-      // sender's reply-slot credits count only puts and gets.
-      auto* f = new (std::nothrow) frame;
-      if (f == nullptr) {
-        fail(errno_code(ENOMEM));
-        return consumed();
-      }
       early_.erase(m);
       delete m;
       owe(0);
-      f->own_answer = true;
-      f->hdr.type = msg::rts_withdrawn;
-      f->hdr.id = h.id;
-      post(*f);
+      answer_withdrawn(h.id);
       return consumed();
     }
     // Already matched: the rtr on its way answers the sender.
     return consumed();
   }
 
+  /// Tells the sender of announcement `id` that no receive here will take
+  /// it: the answer to its rts_cancel, or, unasked, from a closing side
+  /// (rx_rts_withdrawn). In a frame of its own, not a reply slot: the
+  /// sender's reply-slot credits count only puts and gets.
+  void answer_withdrawn(std::uint64_t id) noexcept {
+    auto* f = new (std::nothrow) frame;
+    if (f == nullptr) {
+      fail(errno_code(ENOMEM));
+      return;
+    }
+    f->own_answer = true;
+    f->hdr.type = msg::rts_withdrawn;
+    f->hdr.id = id;
+    post(*f);
+  }
+
+  /// Receiving ends when close() starts: the announcements kept here will
+  /// never be received. Their senders learn it now, each by its own
+  /// rts_withdrawn, and not from this side's close frame, which waits for
+  /// this side's own announced sends: two ends closing at once with
+  /// announcements nobody will receive each way waited for each other.
+  void decline_kept_announcements() noexcept {
+    for (early_msg* m = early_.head; m != nullptr && !error_;) {
+      early_msg* next = m->next;
+      if (m->rts) {
+        const std::uint64_t id = m->sid;
+        early_.erase(m);
+        delete m;
+        answer_withdrawn(id);
+      }
+      m = next;
+    }
+  }
+
   rx_plan rx_rts_withdrawn(const header& h) noexcept {
     op* s = announced_.head;
-    while (s != nullptr && !(s->id_ == h.id && s->stage_ == op::stage::withdrawing)) s = s->next_;
+    while (s != nullptr && s->id_ != h.id) s = s->next_;
     if (s == nullptr) return fail_plan();
     ++stats_->withdrawn;
-    complete(*s, s->stop_reason_);
+    if (s->stage_ == op::stage::withdrawing) {
+      complete(*s, s->stop_reason_);  // the answer to its rts_cancel
+    } else {
+      // Unasked: the peer closed without receiving it. Closing here too,
+      // it fails as this side's pending operations do.
+      complete(*s, closing_ ? errc::closed : errc::peer_closed);
+    }
     return consumed();
   }
 

@@ -60,7 +60,7 @@ enum class msg : std::uint8_t {
   rtr = 4,            ///< ready to receive: a receive matched an `rts`
   data = 5,           ///< a large message's bytes, into the receive named by its token
   rts_cancel = 6,     ///< the sender withdraws an `rts` no receive has matched
-  rts_withdrawn = 7,  ///< answer to `rts_cancel`: it was withdrawn (else an `rtr` comes)
+  rts_withdrawn = 7,  ///< no receive will take that `rts`: the answer to `rts_cancel` (else an `rtr` comes), or unasked from a closing receiver
   put_request = 8,    ///< one-sided write into the receiver's registered memory
   put_ack = 9,        ///< answer to `put_request`
   get_request = 10,   ///< one-sided read of the receiver's registered memory

@@ -608,3 +608,32 @@ TEST_CASE_TEMPLATE("a Device send waiting for its receive leaves bounce slots to
       },
       small(64 * 1024, 2));
 }
+
+// Found by the stress test (loopback, seed 84). An empty Device send
+// travels as a plain eager frame (there is nothing to copy), but its stop
+// decided again from the memory space that it was a staged eager one,
+// found no bounce slot to withdraw, and failed the send while its frame
+// still went out: the peer received a message whose send said cancelled,
+// and order checks downstream broke. A stop now reads what launch chose.
+TEST_CASE_TEMPLATE("a stopped empty Device send is either withdrawn or delivered, never both", T,
+                   CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  run_both<T>([&](auto& a, auto& b, staged::env*) -> gdr::task<> {
+    std::vector<std::byte> one(1, std::byte{7}), in(16);
+    staged::dev_mem empty(16);
+    // The handshake first, so that the send below goes out at once.
+    CHECK(co_await a.send(host(one)) == 1);
+    CHECK(co_await b.recv(host(in)) == 1);
+    std::stop_source src;
+    auto [sr, x] = co_await gdr::when_all(report_of(a.send(empty.view().subview(0, 0), {src.get_token()})),
+                                          [&]() -> gdr::task<int> {
+                                            src.request_stop();  // before the peer could take the frame
+                                            co_return 0;
+                                          }());
+    CHECK((sr.error == errc::cancelled || !sr.error));
+    CHECK(co_await a.send(host(one)) == 1);
+    if (!sr.error) CHECK(co_await b.recv(host(in), {2s}) == 0);  // delivered: it comes first
+    CHECK(co_await b.recv(host(in), {2s}) == 1);                 // withdrawn: nothing before this one
+    co_await a.close();
+  });
+}

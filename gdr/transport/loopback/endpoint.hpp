@@ -350,6 +350,10 @@ class end final : public proto::engine {
         // afterwards; one handed back untaken carries the error.
         ec = f->sealed ? std::error_code{} : p().done_ec[side_];
       }
+      // Handed back because the peer is gone: the connection failed, and
+      // the endpoint says so before this frame's operation completes (as
+      // TCP's does), not after, when the peer-gone event comes round.
+      if (ec == errc::connection_lost) on_link_failed(ec);
       on_sent(*f, ec);
     }
   }

@@ -40,7 +40,9 @@ TEST_CASE("a close that times out waiting for an announced send aborts: pending 
     CHECK(co_await error_of(a.close(gdr_test::timeout_opts(20ms))) == errc::timed_out);
     while (done < 2) co_await gdr::nop();
     CHECK(a_send == errc::closed);
-    CHECK(b_send == errc::connection_lost);  // aborted, not closed in order
+    // a, closing, receives nothing more: it declined b's announcement when
+    // its close began (GUIDE section 8).
+    CHECK(b_send == errc::peer_closed);
     // Later operations fail the same way.
     CHECK(co_await error_of(a.send(gdr::host_view(buf))) == errc::closed);
     CHECK(co_await error_of(a.recv(gdr::host_view(buf))) == errc::closed);
@@ -104,6 +106,35 @@ TEST_CASE("destroying an endpoint closes it") {
   }());
   CHECK(ec == errc::connection_lost);
   CHECK(!pair.first.is_open());  // moved-from: belongs to no pair
+}
+
+TEST_CASE("a send whose frame the dropped peer never took fails with connection_lost, and the endpoint already says so") {
+  // The sequence the stress test found (loopback, seed 91): b is dropped
+  // while a's message is still queued for it. The frame comes back untaken
+  // with connection_lost, and the peer-gone event comes after it. Before,
+  // the send's coroutine resumed while a.error() still said nothing (or
+  // closed, with a close under way), and the endpoint failed only later.
+  gdr_test::watchdog wd(30);
+  gdr::scheduler sched;
+  auto pair = lb::make_pair(sched);
+  lb::endpoint a = std::move(pair.first);
+  std::array<int, 4> x{1, 2, 3, 4};
+  std::error_code sent, state_then;
+  int done = 0, failed = 0;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    gdr_test::spawn(
+        [&]() -> gdr::task<> {
+          sent = co_await error_of(a.send(gdr::host_view(x)));
+          state_then = a.error();
+        },
+        done, failed);
+    { lb::endpoint gone = std::move(pair.second); }
+    while (done < 1) co_await gdr::nop();
+  }());
+  CHECK(failed == 0);
+  CHECK(sent == errc::connection_lost);
+  CHECK(state_then == errc::connection_lost);
+  CHECK(a.error() == errc::connection_lost);
 }
 
 TEST_CASE("close is idempotent, can be awaited like the TCP endpoint's, and error() says why an end stopped") {
