@@ -165,7 +165,7 @@ TEST_CASE("a close while both sides send: every send that succeeded before it re
                     << reset_rounds << "; TCPAbortOnData " << aborts0 << " -> " << aborts1);
 }
 
-TEST_CASE("both ends closing at once while both send eager messages: both closes succeed, no side sees connection_lost") {
+TEST_CASE("both ends closing at once while both send eager and rendezvous messages: both closes succeed at once, no side sees connection_lost") {
   tcp_test::watchdog wd(60);
   for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
     for (int round = 0; round < 5; ++round) {
@@ -173,13 +173,10 @@ TEST_CASE("both ends closing at once while both send eager messages: both closes
       CAPTURE(round);
       gdr::scheduler sched({.mode = mode});
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
-        // Eager messages only: a rendezvous send waits, before the close
-        // frame, for the peer's receive, which a closing peer never posts,
-        // so two closes with rendezvous sends pending wait for their
-        // timeouts (a limit of the close rule, not of the transport).
-        tcp::endpoint_options o = test_options();
-        o.protocol.rendezvous_threshold = 1 << 20;
-        auto ab_pair = co_await connected_pair(sched, gdr::default_registry(), o);
+        // A rendezvous send still announced when both ends close is
+        // declined by the closing peer (rts_withdrawn), so neither close
+        // waits for a receive the other will never post.
+        auto ab_pair = co_await connected_pair(sched, gdr::default_registry(), test_options());
         auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
         auto& b = ab_pair.second;
         stream_counts a_out, a_in, b_out, b_in;
@@ -190,11 +187,16 @@ TEST_CASE("both ends closing at once while both send eager messages: both closes
         tcp_test::spawn([&]() -> gdr::task<> { co_await recv_loop(a, a_in); }, done);
         while (a_out.ok < 100 || b_out.ok < 100 + 29 * static_cast<std::uint64_t>(round)) co_await gdr::nop();
         gdr::result<std::size_t> ca = gdr::errc::busy, cb = gdr::errc::busy;
+        auto t0 = std::chrono::steady_clock::now();
         tcp_test::spawn([&]() -> gdr::task<> { ca = co_await a.close({5s}).as_result(); }, done);
         tcp_test::spawn([&]() -> gdr::task<> { cb = co_await b.close({5s}).as_result(); }, done);
         while (done < 6) co_await gdr::nop();
+        auto took = std::chrono::steady_clock::now() - t0;
+        CAPTURE(ca.has_value() ? std::string("ok") : ca.error().message());
+        CAPTURE(cb.has_value() ? std::string("ok") : cb.error().message());
         CHECK(ca.has_value());
         CHECK(cb.has_value());
+        CHECK(took < 2s);  // neither waited for its timeout nor for close_linger
         // Each side stopped receiving when its own close started; what it
         // sees is its own close or the peer's, never a lost connection.
         for (stream_counts* c : {&a_out, &a_in, &b_out, &b_in}) {
