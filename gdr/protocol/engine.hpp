@@ -68,7 +68,11 @@
 /// will never receive with `rts_withdrawn`, and those sends fail with
 /// `errc::peer_closed`), then fails what is still pending with
 /// `errc::closed`; the peer fails its pending operations with
-/// `errc::peer_closed` after receiving everything sent before.
+/// `errc::peer_closed` after receiving everything sent before. Both ends
+/// then end the connection in order (`link_close`): a stream transport
+/// ends its half and reads what the peer still sends until the peer's end,
+/// so that nothing sent before is lost to a reset; close() returns when
+/// the transport has ended (or its timeout aborts it: `link_shutdown`).
 ///
 /// Device memory (the staged path, below the rest of the engine). An
 /// operation whose local or remote memory is `Device` moves as segments of
@@ -125,7 +129,13 @@
 ///     the transport drops the rest and says when the memory is free.
 ///   * `on_link_failed(ec)` once, when the connection breaks; then every
 ///     posted frame comes back through `on_sent` with an error.
-///   * `link_shutdown()`: the engine failed or closed; stop the connection.
+///   * `link_shutdown()`: the engine failed or closed; stop the connection
+///     (an abort).
+///   * `link_close()`: the close frame was written, or the peer's arrived;
+///     end the connection in order (a stream: end this side's half, then
+///     read and drop what the peer still sends until its end). True: it is
+///     ending, `link_quiet()` says when it has, and `link_shutdown()` may
+///     follow to abort it; false (the default): it was shut down at once.
 ///   * `link_flush()`: the end of an outermost handler, after the ready
 ///     operations resumed (a transport writes what they queued).
 ///   * `link_quiet()`: no kernel request of the transport is in flight.
@@ -642,6 +652,7 @@ class engine {
     abandoned_ = true;
     enter();
     if (!error_) fail(errc::closed);
+    abort_link();  // an orderly end still under way
     leave();
   }
 
@@ -713,6 +724,7 @@ class engine {
       case op::kind::close:
         complete(o, why);
         if (!error_) fail(errc::closed);  // stop flushing: abort
+        abort_link();                      // stop waiting for the peer's end: abort
         return;
       case op::kind::send: cancel_send(o, why); return;
       case op::kind::put:
@@ -830,6 +842,12 @@ class engine {
   /// `on_target_released()` comes when it is.
   virtual bool link_abort_target() noexcept = 0;
   virtual void link_shutdown() noexcept = 0;
+  /// End the connection in order (see the file comment). True: ending,
+  /// quiet once it has; `link_shutdown()` may follow. False: shut down.
+  virtual bool link_close() noexcept {
+    link_shutdown();
+    return false;
+  }
   /// The end of an outermost event handler, after the ready operations
   /// resumed. True: the transport did something that may have completed
   /// operations (leave() goes round again).
@@ -876,8 +894,11 @@ class engine {
       case msg::credit: return rx_credit(h);
       case msg::close:
         // The peer sends nothing more. Kept early messages stay receivable;
-        // everything else fails.
-        fail(errc::peer_closed);
+        // everything else fails, and this side ends the connection in
+        // order too (what it still had in flight may follow the peer's
+        // close frame; a reset would throw it away with the peer's last
+        // bytes).
+        fail(errc::peer_closed, true);
         return consumed();
     }
     return fail_plan();
@@ -958,9 +979,7 @@ class engine {
 
   /// A kernel request of the transport completed: a close waiting for the
   /// transport to be quiet may finish.
-  void on_io_done() noexcept {
-    if (close_op_ != nullptr) try_finish(*close_op_);
-  }
+  void on_io_done() noexcept { settle_close(); }
 
   /// Frame `f` is written (`ec` empty) or will never be (`ec`: the
   /// connection failed). Its payload memory is free.
@@ -1017,9 +1036,10 @@ class engine {
       case op::kind::recv: break;  // its rtr
       case op::kind::close:
         // Everything before the close frame is out: fail what is still
-        // pending with errc::closed; the transport ends the stream.
-        complete(o, {});
-        fail(errc::closed);
+        // pending with errc::closed; the transport ends the connection in
+        // order, and the close completes when it has (settle_close), or
+        // when its timeout aborts it.
+        fail(errc::closed, true);
         break;
     }
     try_finish(o);
@@ -1154,11 +1174,11 @@ class engine {
   /// Makes the transport calls the event queued, in order. True if it made
   /// any (what they complete is resumed by leave()).
   bool drain() noexcept {
-    if (!shutdown_due_ && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
+    if (!link_end_due() && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
         finishes_head_ == nullptr && !resume_due_)
       return false;
     draining_ = true;
-    if (std::exchange(shutdown_due_, false)) link_shutdown();
+    if (link_end_due()) end_link(link_end_ == link_end::close_due);
     while (frame* f = outbox_head_) {
       outbox_head_ = f->out_next;
       if (outbox_head_ == nullptr) outbox_tail_ = nullptr;
@@ -1373,7 +1393,10 @@ class engine {
     close_op_ = &o;
     if (error_) {
       // Failed already: nothing to flush. Wait only for the transport to
-      // be quiet.
+      // be quiet. An orderly end under way (the peer closed first) is
+      // waited for like one of this side's own: it succeeds when it has
+      // ended, and this close's timeout or stop aborts it.
+      if (link_end_ == link_end::close_due || (link_end_ == link_end::ending && !link_quiet())) return true;
       o.result_set_ = true;
       if (link_quiet()) {
         close_op_ = nullptr;
@@ -1575,14 +1598,16 @@ class engine {
   // ---------------------------------------------------------------- failure
 
   /// The endpoint is unusable: fail everything with `ec` (in order). Frames
-  /// the transport still holds come back through on_sent.
-  void fail(std::error_code ec) noexcept {
+  /// the transport still holds come back through on_sent. `in_order`: the
+  /// close frame went out or the peer's came; the transport ends the
+  /// connection in order (link_close) instead of aborting it.
+  void fail(std::error_code ec, bool in_order = false) noexcept {
     if (error_) return;
     error_ = ec;
     if (link_calls_now()) {
-      link_shutdown();
+      end_link(in_order);
     } else {
-      shutdown_due_ = true;
+      link_end_ = in_order ? link_end::close_due : link_end::abort_due;
     }
     while (op* o = held_.head) complete(*o, ec);
     while (op* o = announced_.head) complete(*o, ec);
@@ -1620,11 +1645,62 @@ class engine {
     } else {
       request_abort();
     }
-    if (close_op_ != nullptr) {
+    if (close_op_ != nullptr && !in_order) {
       // Nothing more can be flushed: closing a failed endpoint succeeds.
       complete(*close_op_, {});
       try_finish(*close_op_);
     }
+  }
+
+  /// How the connection ends (fail, link_close, link_shutdown). Explicit,
+  /// so that an abort reaches an orderly end still under way exactly once.
+  enum class link_end : std::uint8_t {
+    open,        // not ending
+    close_due,   // end in order at the end of the event (drain)
+    abort_due,   // shut down at the end of the event (drain)
+    ending,      // link_close() is under way: quiet once it has ended
+    shut,        // ended, or shut down
+  };
+
+  bool link_end_due() const noexcept { return link_end_ == link_end::close_due || link_end_ == link_end::abort_due; }
+
+  /// Ends the connection now: in order, or by shutting it down.
+  void end_link(bool in_order) noexcept {
+    if (in_order) {
+      link_end_ = link_end::ending;
+      if (!link_close()) link_end_ = link_end::shut;
+    } else {
+      link_end_ = link_end::shut;
+      link_shutdown();
+    }
+    settle_close();
+  }
+
+  /// An orderly end under way (or due) becomes an abort: the close's
+  /// timeout or stop, or the endpoint dropped.
+  void abort_link() noexcept {
+    switch (link_end_) {
+      case link_end::close_due: link_end_ = link_end::abort_due; return;
+      case link_end::ending:
+        if (link_calls_now()) {
+          link_end_ = link_end::shut;
+          link_shutdown();
+        } else {
+          link_end_ = link_end::abort_due;
+        }
+        return;
+      default: return;
+    }
+  }
+
+  /// A close after its frame: it succeeds once the connection has ended
+  /// (the transport quiet); it finishes when the transport is quiet.
+  void settle_close() noexcept {
+    if (close_op_ == nullptr) return;
+    op& o = *close_op_;
+    if (!o.result_set_ && (link_end_ == link_end::ending || link_end_ == link_end::shut) && link_quiet())
+      complete(o, {});
+    try_finish(o);
   }
 
   /// Stops the placement in progress; its resources are released now or,
@@ -3166,7 +3242,7 @@ class engine {
   std::vector<op*> credit_pumps_;  // staged puts and gets whose next segment waits for one
   // ---- the transport calls an event queued (drain) ----
   bool draining_ = false;
-  bool shutdown_due_ = false;
+  link_end link_end_ = link_end::open;
   bool abort_due_ = false;
   bool resume_due_ = false;
   frame* outbox_head_ = nullptr;
