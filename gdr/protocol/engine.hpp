@@ -946,6 +946,11 @@ class engine {
           std::error_code ec = deliver_early(*r, *m);
           complete(*r, ec);
           delete m;
+        } else if (closing_) {
+          // Receiving ended while its bytes were placed: dropped, and its
+          // room granted back (the peer may still be sending).
+          owe(m->size);
+          delete m;
         } else {
           early_.push_back(m);
           early_bytes_ += m->size;
@@ -1405,7 +1410,7 @@ class engine {
       }
       return true;
     }
-    decline_kept_announcements();
+    drop_kept_messages();
     // The close frame follows every send already started: those waiting
     // for the peer's hello, and rendezvous sends until their receive has
     // taken them or the peer has declined them (maybe_post_close).
@@ -1923,7 +1928,10 @@ class engine {
       r->placing_ = true;
       return place({target::op_payload, r}, r->data_, want, len - want);
     }
-    if (closing_) return drop(len);  // no receive will take it: dropped
+    if (closing_) {  // no receive will take it: dropped, its room granted back
+      owe(len);
+      return drop(len);
+    }
     if (early_bytes_ + len > opts_.unexpected_bytes || early_.size >= opts_.unexpected_messages)
       return pause_reading();
     early_msg* m = new_eager_msg(h.tag, len);
@@ -1941,6 +1949,7 @@ class engine {
       return consumed();
     }
     if (closing_) {  // no receive will take it: the sender learns now
+      owe(0);
       answer_withdrawn(h.id);
       return consumed();
     }
@@ -2049,20 +2058,26 @@ class engine {
     post(*f);
   }
 
-  /// Receiving ends when close() starts: the announcements kept here will
-  /// never be received. Their senders learn it now, each by its own
-  /// rts_withdrawn, and not from this side's close frame, which waits for
-  /// this side's own announced sends: two ends closing at once with
-  /// announcements nobody will receive each way waited for each other.
-  void decline_kept_announcements() noexcept {
+  /// Receiving ends when close() starts: the messages kept here will never
+  /// be received. Kept bytes are dropped; the senders of kept announcements
+  /// learn it now, each by its own rts_withdrawn, and not from this side's
+  /// close frame, which waits for this side's own announced sends (two ends
+  /// closing at once with announcements nobody will receive each way waited
+  /// for each other). Either way the room is granted back: a peer with
+  /// sends waiting for credit must not wait for this side's close frame,
+  /// which may be waiting for them.
+  void drop_kept_messages() noexcept {
     for (early_msg* m = early_.head; m != nullptr && !error_;) {
       early_msg* next = m->next;
+      early_.erase(m);
       if (m->rts) {
-        const std::uint64_t id = m->sid;
-        early_.erase(m);
-        delete m;
-        answer_withdrawn(id);
+        owe(0);
+        answer_withdrawn(m->sid);
+      } else {
+        early_bytes_ -= m->size;
+        owe(m->size);
       }
+      delete m;
       m = next;
     }
   }
