@@ -48,6 +48,8 @@
 #pragma once
 
 #include <liburing.h>
+#include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -58,6 +60,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -181,6 +184,8 @@ class connection final : public proto::engine {
     write_op_.complete = &on_write;
     linger_op_.self = this;
     linger_op_.complete = &on_linger;
+    watch_op_.self = this;
+    watch_op_.complete = &on_watch;
     kick_.self = this;
     kick_.run = &on_kick;
     spin_.self = this;
@@ -294,6 +299,7 @@ class connection final : public proto::engine {
 
   void link_shutdown() noexcept override {
     rx_paused_ = false;
+    end_watch();
     ending_ = false;
     end_linger();
     // Wake the reads and writes in flight: a recv returns 0, a send EPIPE.
@@ -312,6 +318,7 @@ class connection final : public proto::engine {
   /// tests/transport/tcp/orderly_close_test lost a message that way.
   bool link_close() noexcept override {
     rx_paused_ = false;
+    end_watch();
     if (!sock_.valid()) return false;
     ::shutdown(fd(), SHUT_WR);
     drop_unsent();
@@ -362,7 +369,8 @@ class connection final : public proto::engine {
   }
 
   bool link_quiet() const noexcept override {
-    return !read_inflight_ && !write_inflight_ && !kick_posted_ && dropped_.empty() && !linger_inflight_;
+    return !read_inflight_ && !write_inflight_ && !kick_posted_ && dropped_.empty() && !linger_inflight_ &&
+           !watch_inflight_;
   }
   // (While ending, the read of the peer's rest is in flight until its end.)
 
@@ -586,6 +594,7 @@ class connection final : public proto::engine {
     if (!c->failed()) {
       if (c->rx_paused_) {
         c->rx_paused_ = false;
+        c->end_watch();
         c->pump();
       }
       c->start_write(true);  // after an SQ-full retry
@@ -648,6 +657,7 @@ class connection final : public proto::engine {
     switch (plan.act) {
       case proto::rx_plan::action::pause:
         rx_paused_ = true;
+        arm_watch();
         return false;
       case proto::rx_plan::action::fail:
         if (!failed()) protocol_fail(gdr::tcp::frame_status::bad_field);
@@ -878,6 +888,83 @@ class connection final : public proto::engine {
     pump();
   }
 
+  // ---------------------------------------------------------------- the paused reader's watch
+  //
+  // While the engine has paused the reader (back-pressure: no memory, no
+  // bounce slot, too many messages kept), no read is posted, so a read
+  // cannot see the peer leave, and a receive waiting for what the peer
+  // would have sent stayed pending after the peer was gone. A poll for the
+  // socket's end (POLLRDHUP; POLLERR and POLLHUP always come) is armed
+  // instead, and cancelled when reading resumes. A reset or error fails
+  // the connection with connection_lost at once. The peer's end of stream
+  // alone means that everything it sent is in this side's socket buffer:
+  // if that ends with its close frame, it closed in order and the reader
+  // stays paused (what it sent is still delivered when reading resumes);
+  // if not, the peer went away without closing, and the connection fails
+  // as a read would once it reached that end.
+
+  void arm_watch() noexcept {
+    if (watch_inflight_ || failed() || ending_ || !sock_.valid()) return;
+    io_uring_sqe* sqe = sched().get_sqe();
+    if (sqe == nullptr) return;  // the SQ refused it: the peer's end is seen when reading resumes
+    io_uring_prep_poll_add(sqe, fd(), POLLRDHUP);
+    io_uring_sqe_set_data(sqe, static_cast<operation*>(&watch_op_));
+    sched().note_submitted();
+    watch_inflight_ = true;
+  }
+
+  void end_watch() noexcept {
+    if (watch_inflight_ && !watch_cancelled_) {
+      watch_cancelled_ = true;
+      sched().cancel(&watch_op_);
+    }
+  }
+
+  static void on_watch(operation* o, int res, std::uint32_t) noexcept {
+    connection* c = static_cast<conn_op*>(o)->self;
+    c->enter();
+    c->watch_inflight_ = false;
+    c->watch_cancelled_ = false;
+    if (c->rx_paused_ && !c->failed() && !c->ending_) {
+      if (res > 0 && (res & (POLLERR | POLLHUP)) != 0) {
+        c->on_link_failed(errc::connection_lost);
+      } else if (res > 0 && (res & POLLRDHUP) != 0) {
+        if (!c->unread_ends_with_close()) c->on_link_failed(errc::connection_lost);
+      } else if (res == -ECANCELED) {
+        c->arm_watch();  // paused again since the cancel was asked for
+      }
+      if (c->failed()) c->return_dropped();
+    }
+    c->on_io_done();
+    c->leave();
+  }
+
+  /// After the peer's end of stream: do the bytes not yet parsed (from the
+  /// paused header on, then the socket's) end with a whole close frame?
+  /// Unsure (no memory) counts as yes: the reader stays paused.
+  bool unread_ends_with_close() noexcept {
+    int queued = 0;
+    if (::ioctl(fd(), FIONREAD, &queued) != 0 || queued < 0) return true;
+    const std::size_t have = rx_end_ - rx_pos_;
+    const std::size_t total = have + static_cast<std::size_t>(queued);
+    std::unique_ptr<std::byte[]> all(new (std::nothrow) std::byte[total + 1]);
+    if (!all) return true;
+    std::memcpy(all.get(), rx_buf_ + rx_pos_, have);
+    ssize_t got = queued == 0 ? 0 : ::recv(fd(), all.get() + have, static_cast<std::size_t>(queued), MSG_PEEK | MSG_DONTWAIT);
+    if (got != queued) return got < 0 ? false : true;
+    std::size_t at = 0;
+    bool close_last = false;
+    while (total - at >= wire::header_size) {
+      gdr::tcp::frame_parse_result r =
+          gdr::tcp::parse_frame(std::span<const std::byte>(all.get() + at, wire::header_size), options().max_message);
+      if (r.status != gdr::tcp::frame_status::ok) return false;
+      close_last = r.header.type == proto::msg::close;
+      if (r.header.length > total - at - wire::header_size) return false;  // cut off in its payload
+      at += wire::header_size + static_cast<std::size_t>(r.header.length);
+    }
+    return at == total && close_last;
+  }
+
   // ---------------------------------------------------------------- the orderly end
 
   /// Reads what the peer still sends after the end began, into the staging
@@ -988,6 +1075,9 @@ class connection final : public proto::engine {
   bool linger_inflight_ = false;
   bool linger_cancelled_ = false;
   __kernel_timespec linger_ts_{};
+  conn_op watch_op_{};            // the paused reader's poll for the peer's end (arm_watch)
+  bool watch_inflight_ = false;
+  bool watch_cancelled_ = false;
   // The staging buffer: the inline one until a read fills it, then a heap
   // one of rx_full_ bytes (grow_rx). An idle endpoint reads its peer's
   // hello and credit (128 bytes) and keeps no 64 KiB buffer.
