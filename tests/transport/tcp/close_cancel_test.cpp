@@ -25,32 +25,8 @@ using tcp_test::connected_pair;
 
 namespace {
 
-// An endpoint whose peer is a raw blocking socket, for byte-exact control.
-// The raw side has said hello (its frame 0); `out` numbers its next frames.
-struct raw_peer {
-  tcp::endpoint ep;
-  int fd = -1;
-  tcp_test::frame_stream out;
-  ~raw_peer() {
-    if (fd >= 0) ::close(fd);
-  }
-  void write_eager_header(std::uint64_t len) {
-    gdr::tcp::frame_header h;
-    h.type = gdr::tcp::frame_type::eager;
-    h.length = len;
-    out.add(h);
-    REQUIRE(out.write_to(fd));
-  }
-};
-
-gdr::task<> make_raw_peer(gdr::scheduler& s, raw_peer& p) {
-  tcp::listener l(s, tcp::address::loopback(0));
-  auto acc = l.accept();
-  p.fd = tcp_test::raw_connect(l.local_address().port());  // the handshake needs no accept
-  REQUIRE(tcp_test::send_hello(p.fd));
-  p.out.seq = 1;
-  p.ep = co_await std::move(acc);
-}
+using tcp_test::make_raw_peer;
+using tcp_test::raw_peer;
 
 }  // namespace
 

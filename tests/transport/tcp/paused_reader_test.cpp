@@ -25,40 +25,14 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// An endpoint keeping one early message, whose peer is a raw socket that
-// has said hello (frame 0) with no credits to count.
-struct raw_peer {
-  tcp::endpoint ep;
-  int fd = -1;
-  tcp_test::frame_stream out;
-  ~raw_peer() {
-    if (fd >= 0) ::close(fd);
-  }
-  void eager(std::uint64_t tag, std::span<const std::byte> payload) {
-    tcp::frame_header h;
-    h.type = tcp::frame_type::eager;
-    h.tag = tag;
-    h.length = payload.size();
-    out.add(h, payload);
-    REQUIRE(out.write_to(fd));
-  }
-  void close_frame() {
-    tcp::frame_header h;
-    h.type = tcp::frame_type::close;
-    out.add(h);
-    REQUIRE(out.write_to(fd));
-  }
-};
+using tcp_test::raw_peer;
 
-gdr::task<> make_raw_peer(gdr::scheduler& s, raw_peer& p) {
+// An endpoint keeping one early message, whose peer is a raw socket that
+// counts no credits.
+gdr::task<> make_one_kept_peer(gdr::scheduler& s, raw_peer& p) {
   tcp::endpoint_options o;
   o.protocol.unexpected_messages = 1;
-  tcp::listener l(s, tcp::address::loopback(0), gdr::default_registry(), o);
-  auto acc = l.accept();
-  p.fd = tcp_test::raw_connect(l.local_address().port());
-  REQUIRE(tcp_test::send_hello(p.fd));
-  p.out.seq = 1;
-  p.ep = co_await std::move(acc);
+  co_await tcp_test::make_raw_peer(s, p, o);
 }
 
 }  // namespace
@@ -70,7 +44,7 @@ TEST_CASE("a receive pending on a paused reader fails with connection_lost when 
     gdr::scheduler sched({.mode = mode});
     gdr::sync_wait(sched, [&]() -> gdr::task<> {
       raw_peer p;
-      co_await make_raw_peer(sched, p);
+      co_await make_one_kept_peer(sched, p);
       std::array<std::byte, 16> m{}, in{};
       gdr::op_report r;
       int done = 0;
@@ -98,7 +72,7 @@ TEST_CASE("a paused reader whose peer closed in order stays paused and what the 
     gdr::scheduler sched({.mode = mode});
     gdr::sync_wait(sched, [&]() -> gdr::task<> {
       raw_peer p;
-      co_await make_raw_peer(sched, p);
+      co_await make_one_kept_peer(sched, p);
       std::array<std::byte, 16> m1{}, m2{}, in{};
       m1.fill(std::byte{1});
       m2.fill(std::byte{2});

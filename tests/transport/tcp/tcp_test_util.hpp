@@ -253,4 +253,47 @@ inline gdr::task<bool> read_hello(int fd) {
   co_return r.status == gdr::tcp::frame_status::ok && r.seq == 1 && r.header.type == gdr::tcp::frame_type::credit;
 }
 
+// An endpoint whose peer is a raw blocking socket, for byte-exact control.
+// The raw side has said hello (its frame 0) with no credits to count; `out`
+// numbers its next frames.
+struct raw_peer {
+  gdr::tcp::endpoint ep;
+  int fd = -1;
+  frame_stream out;
+  ~raw_peer() {
+    if (fd >= 0) ::close(fd);
+  }
+  void write_eager_header(std::uint64_t len) {
+    gdr::tcp::frame_header h;
+    h.type = gdr::tcp::frame_type::eager;
+    h.length = len;
+    out.add(h);
+    REQUIRE(out.write_to(fd));
+  }
+  void eager(std::uint64_t tag, std::span<const std::byte> payload) {
+    gdr::tcp::frame_header h;
+    h.type = gdr::tcp::frame_type::eager;
+    h.tag = tag;
+    h.length = payload.size();
+    out.add(h, payload);
+    REQUIRE(out.write_to(fd));
+  }
+  void close_frame() {
+    gdr::tcp::frame_header h;
+    h.type = gdr::tcp::frame_type::close;
+    out.add(h);
+    REQUIRE(out.write_to(fd));
+  }
+};
+
+// Connects `p`'s raw socket to a listener's endpoint made with `opts`.
+inline gdr::task<> make_raw_peer(gdr::scheduler& s, raw_peer& p, const gdr::tcp::endpoint_options& opts = {}) {
+  gdr::tcp::listener l(s, gdr::tcp::address::loopback(0), gdr::default_registry(), opts);
+  auto acc = l.accept();
+  p.fd = raw_connect(l.local_address().port());  // the handshake needs no accept
+  REQUIRE(send_hello(p.fd));
+  p.out.seq = 1;
+  p.ep = co_await std::move(acc);
+}
+
 }  // namespace tcp_test
