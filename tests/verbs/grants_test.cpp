@@ -62,15 +62,16 @@ TEST_CASE("a failed connection leaves no registration of its grants in the devic
       // a's three grants: the rtr of a receive, a get's destination, a
       // put's source; b reads none of them.
       std::uint64_t regs = a.stats().registrations;
+      auto& ea = a;  // (a structured binding; C++20 lambdas cannot name it)
       auto [rs, rr, rg, rp, fail] = co_await gdr::when_all(
           std::move(send_big), report_of(a.recv(host(in))), report_of(a.get(host(back), rv)),
           report_of(a.put(chost(src), rv)), [&]() -> gdr::task<int> {
-            while (a.stats().registrations < regs + 3) co_await gdr::sleep_for(1ms);
+            while (ea.stats().registrations < regs + 3) co_await gdr::sleep_for(1ms);
             co_await gdr::sleep_for(20ms);  // the three frames are out
             // The three grants are registered now.
             ibv_qp_attr attr{};
             attr.qp_state = IBV_QPS_ERR;
-            CHECK(ibv_modify_qp(a.native_qp(), &attr, IBV_QP_STATE) == 0);
+            CHECK(ibv_modify_qp(ea.native_qp(), &attr, IBV_QP_STATE) == 0);
             co_return 0;
           }());
       CHECK(rr.error == gdr::errc::connection_lost);
