@@ -1,0 +1,93 @@
+/// \file
+/// What the engine and a transport hand each other: an outgoing `frame`
+/// (the protocol's header, its payload, the transport's bookkeeping of it)
+/// and an `rx_plan` (where an incoming payload goes). The hooks a transport
+/// implements and the events it calls are `engine`'s (engine/engine.hpp).
+#pragma once
+
+#include <cassert>
+#include <cstddef>
+#include <cstdint>
+
+#include <gdr/protocol/message.hpp>
+
+namespace gdr::detail::proto {
+
+class op;
+struct reply_slot;
+struct stage_slot;
+
+/// An outgoing frame: the protocol's header and payload, plus the
+/// transport's bookkeeping of it. Lives in an operation or a reply slot.
+struct frame {
+  header hdr{};
+  const std::byte* payload = nullptr;  ///< `hdr.length` bytes
+  op* owner = nullptr;                 ///< the operation it belongs to, or
+  reply_slot* slot = nullptr;          ///< the reply slot it belongs to (or neither: the engine's own)
+  stage_slot* sslot = nullptr;         ///< the staging slot it belongs to (a segment)
+  /// The engine's outbox (frames posted inside an event, handed to the
+  /// transport at its end): the next one, and whether it is there.
+  frame* out_next = nullptr;
+  bool in_outbox = false;
+  bool own_answer = false;  ///< an answer allocated for itself, freed once sent
+  // ---- the transport's (queue links, progress, its encoding of the header) ----
+  frame* prev = nullptr;
+  frame* next = nullptr;
+  std::size_t written = 0;
+  bool queued = false;     ///< in the transport's queue (posted, no on_sent yet)
+  bool sealed = false;     ///< committed: can no longer be withdrawn
+  bool in_flight = false;  ///< part of a write the kernel is doing now
+  std::uint8_t where = 0;  ///< which of the transport's lists holds it
+  /// Set by the engine: the bytes this frame carries or names (a payload, an
+  /// rtr's receive, a request's local memory) may be moved by the NIC only,
+  /// never copied by the CPU: `Device` memory on a GPUDirect endpoint, or a
+  /// put's or get's host memory whose peer side is `Device` memory.
+  /// `device`: the GPU whose memory it is (-1: host memory). A transport
+  /// that cannot move them by RDMA fails the connection with
+  /// `errc::gpudirect_unavailable` instead of copying.
+  bool nic_only = false;
+  std::int8_t device = -1;
+  std::uint32_t seq = 0;
+  /// The transport's encoding of `hdr` (TCP: the wire header), written when
+  /// the frame is sealed. Deliberately not initialised: an operation holds
+  /// three frames, and zeroing them cost more than the rest of a small
+  /// send's bookkeeping.
+  alignas(8) std::byte encoded[64];
+
+  /// Makes the frame a fresh one of `owner` (no transport state, a zero
+  /// header), without touching `encoded`.
+  void reset(op* o) noexcept {
+    assert(!in_outbox && "gdr: a frame in the engine's outbox was reused");
+    hdr = header{};
+    payload = nullptr;
+    owner = o;
+    slot = nullptr;
+    sslot = nullptr;
+    prev = next = nullptr;
+    written = 0;
+    queued = sealed = in_flight = false;
+    where = 0;
+    nic_only = false;
+    device = -1;
+    seq = 0;
+  }
+};
+
+/// Where the transport is to put a payload (`engine::on_header`).
+struct rx_plan {
+  enum class action : std::uint8_t {
+    place,  ///< `want` bytes to `dst`, then drop `discard` bytes, then on_placed()
+    pause,  ///< nothing consumed: offer this header again after link_resume()
+    fail,   ///< a protocol error: the header is not acceptable
+  };
+  action act = action::place;
+  std::byte* dst = nullptr;
+  std::size_t want = 0;
+  std::uint64_t discard = 0;
+  /// `dst` is `Device` memory of this GPU on a GPUDirect endpoint (-1: host
+  /// memory): only the NIC may write it. A transport that would copy the
+  /// payload with the CPU fails the connection (`errc::gpudirect_unavailable`).
+  int device = -1;
+};
+
+}  // namespace gdr::detail::proto

@@ -1,0 +1,304 @@
+/// \file
+/// Sends: eager and rendezvous (rts, rtr, data), a send's stop (rts_cancel,
+/// rts_withdrawn), and the eager limits of a send and a receive.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cassert>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <optional>
+#include <stop_token>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gdr/protocol/engine/engine.hpp>
+
+namespace gdr::detail::proto {
+
+inline bool engine::begin_out(op& o) noexcept {
+  if (std::error_code ec = state_error()) {
+    o.ec_ = ec;
+    return false;
+  }
+  if (std::error_code ec = staging_check(o)) {
+    o.ec_ = ec;
+    return false;
+  }
+  if (o.kind_ != op::kind::send && o.size_ > o.rsize_) {
+    o.ec_ = errc::invalid_argument;  // the local view must fit in the remote one
+    return false;
+  }
+  if (o.size_ > opts_.max_message && o.kind_ == op::kind::get) {
+    o.ec_ = errc::message_too_large;  // the answer would exceed our own limit
+    return false;
+  }
+  if (!got_credit_) {  // the peer's handshake: its hello and first credit
+    o.stage_ = op::stage::held;
+    enlist(held_, o);
+    return true;
+  }
+  return launch(o);
+}
+
+inline bool engine::launch(op& o) noexcept {
+  if (o.size_ > peer_max_) {
+    o.ec_ = errc::message_too_large;
+    return false;
+  }
+  if (o.kind_ != op::kind::send && o.staged()) return launch_segmented(o);
+  frame& f = o.f1_;
+  f.owner = &o;
+  header& h = f.hdr;
+  switch (o.kind_) {
+    case op::kind::send: {
+      // Early credits: every message takes a slot of the peer's room for
+      // early messages, an eager one its bytes too; without the bytes it
+      // is announced instead, without a slot it waits (in order).
+      if ((!send_wait_.empty() && !waiter_turn_) || send_msgs_credit_ == 0 || order_holds_ != 0) {
+        o.stage_ = op::stage::held;
+        enlist(send_wait_, o);
+        return true;
+      }
+      const bool eager = o.size_ <= eager_limit(o) && o.size_ <= send_bytes_credit_;
+      --send_msgs_credit_;
+      o.debit_ = eager ? o.size_ : 0;
+      o.debited_ = true;
+      send_bytes_credit_ -= o.debit_;
+      if (eager) {
+        if (o.dev_ >= 0 && o.size_ != 0) return launch_staged_eager(o);
+        o.proto_ = wire_protocol::eager;
+        h.type = msg::eager;
+        h.length = o.size_;
+        h.tag = o.tag_;
+        f.payload = o.data_;
+        mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0);  // GPUDirect: only an empty one
+        o.stage_ = op::stage::queued;
+      } else {
+        o.proto_ = wire_protocol::rendezvous;
+        o.id_ = next_id_++;
+        h.type = msg::rts;
+        h.size = o.size_;
+        h.tag = o.tag_;
+        h.id = o.id_;
+        o.stage_ = op::stage::announced;
+        enlist(announced_, o);
+        if (o.dev_ >= 0) {
+          // Copy the first chunks out while the announcement travels.
+          o.seg_ = own_segment();
+          o.total_ = o.size_;
+          post(f);
+          pump(o);
+          return true;
+        }
+      }
+      break;
+    }
+    case op::kind::put:
+    case op::kind::get: {
+      if (credits_ == 0) {
+        // The peer's reply slots are all spoken for: wait for an answer
+        // (the reader never stops for this; see "Credits").
+        o.stage_ = op::stage::held;
+        enlist(credit_wait_, o);
+        return true;
+      }
+      --credits_;
+      bool put = o.kind_ == op::kind::put;
+      o.id_ = next_id_++;
+      h.type = put ? msg::put_request : msg::get_request;
+      h.id = o.id_;
+      h.addr = o.raddr_;
+      h.key = o.rkey_;
+      if (put) {
+        h.length = o.size_;
+        f.payload = o.data_;
+      } else {
+        h.size = o.size_;
+      }
+      mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0 || o.remote_nic_);
+      // Awaiting its answer from now on: the answer may be parsed before
+      // the write's own completion is.
+      o.stage_ = op::stage::awaiting;
+      enlist(rma_, o);
+      break;
+    }
+    default: break;
+  }
+  post(f);
+  return true;
+}
+
+inline void engine::cancel_send(op& o, std::error_code why) noexcept {
+  switch (o.stage_) {
+    case op::stage::held:
+      complete(o, why);  // takes it off held_
+      return;
+    case op::stage::queued:  // eager
+      // Staged eager (launch_staged_eager: its frame is a bounce slot's)
+      // or plain (f1_, an empty Device message too): what launch chose,
+      // read from the op, not decided again from its memory space.
+      if (o.segmented()) {
+        stage_slot* b = o.sq_head_;
+        if (b != nullptr && b->posted) {
+          if (!withdraw(b->f)) return;  // committed: it completes when written
+          b->f.queued = false;
+          b->posted = false;
+        }
+        refund(o);  // the peer never sees it
+        complete(o, why);  // a copy still running holds the finish back
+        return;
+      }
+      if (withdraw(o.f1_)) {
+        o.f1_.queued = false;
+        refund(o);
+        complete(o, why);
+      }
+      // else committed: it completes when written.
+      return;
+    case op::stage::announced:
+      if (o.f1_.queued && withdraw(o.f1_)) {
+        // The rts never left: withdrawn.
+        o.f1_.queued = false;
+        refund(o);
+        complete(o, why);  // takes it off announced_
+        ++stats_->withdrawn;
+        return;
+      }
+      // The peer has (or will have) the rts: ask for it back.
+      o.stop_reason_ = why;
+      o.stage_ = op::stage::withdrawing;
+      o.f3_.reset(&o);
+      o.f3_.hdr.type = msg::rts_cancel;
+      o.f3_.hdr.id = o.id_;
+      post(o.f3_);
+      return;
+    default: return;  // withdrawing already, or committed (sending)
+  }
+}
+
+inline rx_plan engine::rx_rtr(const header& h) noexcept {
+  op* s = announced_.head;
+  while (s != nullptr && s->id_ != h.id) s = s->next_;
+  if (s == nullptr || h.size > s->size_) return fail_plan();  // not one of ours
+  if (s->nic_dev_ >= 0 && h.key != 0) return fail_plan();  // a staging peer: the ends disagree
+  if (s->dev_ >= 0 || h.key != 0) return rtr_segmented(*s, h);
+  delist(*s);
+  // Committed now, whatever a stop asked: a pending rts_cancel is
+  // ignored by the peer, which matched the message first.
+  s->stop_reason_ = {};
+  s->stage_ = op::stage::sending;
+  ++rendezvous_out_;
+  frame& f = s->f2_;
+  f.reset(s);
+  f.hdr.type = msg::data;
+  f.hdr.flags = flag::last;
+  f.hdr.length = h.size;
+  f.hdr.addr = h.addr;
+  f.payload = s->data_;
+  mark_nic(f, s->nic_dev_, s->nic_dev_ >= 0);
+  post(f);
+  return consumed();
+}
+
+inline rx_plan engine::rx_data(const header& h) noexcept {
+  std::uint64_t token = h.addr;
+  bool last = (h.flags & flag::last) != 0;
+  for (op* r = awaiting_data_.head; r != nullptr; r = r->next_) {
+    if (r->id_ != token) continue;
+    auto len = static_cast<std::size_t>(h.length);
+    auto off = static_cast<std::size_t>(h.size);
+    // Segments come in order, cover exactly what was accepted, and the
+    // last one says so.
+    if (off != r->issued_ || len > r->total_ - off || last != (off + len == r->total_))
+      return fail_plan();
+    if (r->dev_ >= 0 && len != 0) {
+      if (len > chunk_) return fail_plan();  // larger than the rtr allowed
+      stage_slot* b = take(rx_);
+      if (b == nullptr) return pause_reading();
+      r->issued_ += len;
+      if (last) {
+        delist(*r);
+        r->stage_ = op::stage::placing;
+      }
+      return place_in_bounce(*r, *b, off, len, 0);
+    }
+    r->issued_ += len;
+    if (last) {
+      delist(*r);
+      r->stage_ = op::stage::placing;
+    }
+    r->placing_ = true;
+    if (off == 0 && last && r->done_ == 0 && r->dev_ < 0) {
+      return place({target::op_payload, r}, r->data_, len, 0, r->nic_dev_);  // the whole message in one frame
+    }
+    target t{target::op_payload, r};
+    t.counted = true;
+    return place(t, r->data_ + off, len, 0, r->nic_dev_);
+  }
+  if (last ? forget(dropped_tokens_, token) : is_dropped(token)) return drop(h.length);  // its receive was cancelled
+  return fail_plan();
+}
+
+inline rx_plan engine::rx_rts_cancel(const header& h) noexcept {
+  for (early_msg* m = early_.head; m != nullptr; m = m->next) {
+    if (!m->rts || m->sid != h.id) continue;
+    early_.erase(m);
+    delete m;
+    owe(0);
+    answer_withdrawn(h.id);
+    return consumed();
+  }
+  // Already matched: the rtr on its way answers the sender.
+  return consumed();
+}
+
+inline void engine::answer_withdrawn(std::uint64_t id) noexcept {
+  auto* f = new (std::nothrow) frame;
+  if (f == nullptr) {
+    fail(errno_code(ENOMEM));
+    return;
+  }
+  f->own_answer = true;
+  f->hdr.type = msg::rts_withdrawn;
+  f->hdr.id = id;
+  post(*f);
+}
+
+inline rx_plan engine::rx_rts_withdrawn(const header& h) noexcept {
+  op* s = announced_.head;
+  while (s != nullptr && s->id_ != h.id) s = s->next_;
+  if (s == nullptr) return fail_plan();
+  ++stats_->withdrawn;
+  if (s->stage_ == op::stage::withdrawing) {
+    complete(*s, s->stop_reason_);  // the answer to its rts_cancel
+  } else {
+    // Unasked: the peer closed without receiving it. Closing here too,
+    // it fails as this side's pending operations do.
+    complete(*s, closing_ ? errc::closed : errc::peer_closed);
+  }
+  return consumed();
+}
+
+inline bool engine::refuses_eager(op& r, std::size_t len) noexcept {
+  if (r.nic_dev_ < 0 || std::min(len, r.size_) == 0) return false;
+  r.what_ = "a Device receive on a GPUDirect endpoint takes only messages the NIC writes into it (rendezvous, "
+            "above the sender's rendezvous_threshold, or any send from Device memory); this message came eager, "
+            "through host memory, and stays receivable into host memory";
+  return true;
+}
+
+inline std::size_t engine::eager_limit(const op& o) const noexcept {
+  if (o.nic_dev_ >= 0) return 0;  // GPUDirect: the CPU never reads it into a frame
+  std::size_t e = opts_.rendezvous_threshold;
+  if (o.dev_ >= 0) e = std::min(e, chunk_);
+  return e;
+}
+
+}  // namespace gdr::detail::proto
