@@ -61,8 +61,11 @@
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transfer/common.hpp>
 #include <gdr/transfer/path.hpp>
+#include <gdr/transport/tcp/close.hpp>
 #include <gdr/transport/tcp/connection.hpp>
+#include <gdr/transport/tcp/reader.hpp>
 #include <gdr/transport/tcp/socket.hpp>
+#include <gdr/transport/tcp/writer.hpp>
 
 namespace gdr {
 

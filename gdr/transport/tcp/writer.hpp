@@ -1,0 +1,241 @@
+/// \file
+/// The TCP connection's writer: frames posted by the engine, gathered into
+/// batches (sendmsg, send, or a direct non-blocking write in busy-poll
+/// mode), sealed, and handed back to the engine once written or dropped.
+#pragma once
+
+#include <liburing.h>
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <algorithm>
+#include <cassert>
+#include <chrono>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+
+#include <gdr/transport/tcp/connection.hpp>
+
+namespace gdr::detail::tcp {
+
+inline void connection::link_post(frame& f) noexcept {
+  f.queued = true;
+  f.sealed = false;
+  f.in_flight = false;
+  f.written = 0;
+  if (failed()) {
+    // Nothing will be written: hand it back from the loop, not from
+    // inside the caller (an operation must not complete before it waits).
+    f.queued = true;
+    drop(f);
+    kick();
+    return;
+  }
+  f.where = in_tx;
+  tx_.push_back(&f);
+  if (direct_writes() && in_handler()) {
+    // Posted inside an event handler: written by a system call at its end
+    // (link_flush), with whatever else its coroutines queue. Posted
+    // outside one (from a caller's co_await), it goes to io_uring: an
+    // operation must not complete before it has suspended.
+    write_deferred_ = true;
+    return;
+  }
+  start_write(false);
+}
+
+inline bool connection::link_withdraw(frame& f) noexcept {
+  if (!f.queued || f.in_flight) return false;
+  if (f.sealed && !failed()) return false;
+  (f.where == in_dropped ? dropped_ : tx_).erase(&f);
+  f.where = nowhere;
+  f.queued = false;
+  return true;
+}
+
+inline void connection::drop_unsent() noexcept {
+  for (frame* f = tx_.head; f != nullptr;) {
+    frame* next = f->next;
+    if (!f->in_flight) {
+      tx_.erase(f);
+      drop(*f);
+    }
+    f = next;
+  }
+  if (!dropped_.empty()) kick();
+}
+
+inline void connection::drop(frame& f) noexcept {
+  f.where = in_dropped;
+  dropped_.push_back(&f);
+}
+
+inline void connection::return_dropped() noexcept {
+  while (frame* f = dropped_.pop_front()) {
+    f->where = nowhere;
+    on_sent(*f, error());
+  }
+}
+
+inline void connection::seal(frame& f) noexcept {
+  f.seq = tx_seq_++;
+  gdr::tcp::encode_frame(f.hdr, f.seq, f.encoded);
+  f.sealed = true;
+}
+
+inline bool connection::direct_writes() const noexcept {
+  return topts_.direct_writes_in_busy_poll && sched().mode() == run_mode::busy_poll;
+}
+
+inline std::size_t connection::gather() noexcept {
+  std::size_t iovn = 0;
+  std::size_t payload = 0;
+  std::size_t n = 0;
+  for (frame* f = tx_.head; f != nullptr && n < max_batch; f = f->next) {
+    if (!f->sealed) seal(*f);
+    f->in_flight = true;
+    std::size_t off = f->written;
+    if (off < wire::header_size) {
+      iov_[iovn++] = {f->encoded + off, wire::header_size - off};
+      off = 0;
+    } else {
+      off -= wire::header_size;
+    }
+    if (f->hdr.length > off) {
+      // sendmsg only reads through iov_base; iovec has no const member.
+      iov_[iovn++] = {const_cast<std::byte*>(f->payload) + off, static_cast<std::size_t>(f->hdr.length) - off};
+      payload += f->hdr.length - off;
+    }
+    ++n;
+    if (payload >= batch_bytes) break;
+  }
+  batch_n_ = n;
+  msg_.msg_iovlen = iovn;
+  zc_write_ = topts_.zero_copy_send_threshold != 0 && payload >= topts_.zero_copy_send_threshold;
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < iovn; ++i) bytes += iov_[i].iov_len;
+  small_ = bytes <= small_write && !zc_write_;
+  if (small_) {
+    // A small batch is copied into one buffer and sent with a plain send:
+    // the kernel then skips copying in a msghdr and importing an iovec
+    // array, which costs more than copying these few bytes here.
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < iovn; ++i) {
+      std::memcpy(small_buf_ + off, iov_[i].iov_base, iov_[i].iov_len);
+      off += iov_[i].iov_len;
+    }
+  }
+  return bytes;
+}
+
+inline void connection::start_write(bool direct) noexcept {
+  while (!write_inflight_ && !failed() && !tx_.empty()) {
+    std::size_t bytes = gather();
+    // Zero-copy sends need io_uring's notification: never direct.
+    if (direct && direct_writes() && !write_blocked_ && !zc_write_) {
+      // MSG_NOSIGNAL: a write to a reset connection must report EPIPE,
+      // not raise SIGPIPE (which kills the process by default).
+      ssize_t r = small_ ? ::send(fd(), small_buf_, bytes, MSG_NOSIGNAL | MSG_DONTWAIT)
+                         : ::sendmsg(fd(), &msg_, MSG_NOSIGNAL | MSG_DONTWAIT);
+      ++stats_.writes;
+      ++stats_.direct_writes;
+      // Short (the socket buffer is full): the rest waits for room in
+      // io_uring, and the next direct write only after that.
+      write_blocked_ = r < 0 || static_cast<std::size_t>(r) != bytes;
+      if (!batch_done(r < 0 ? -errno : r)) return;
+      continue;
+    }
+    io_uring_sqe* sqe = sched().get_sqe();
+    if (sqe == nullptr) {
+      // The SQ is full even after submitting: take the batch back (nothing
+      // of it was written) and try again from the loop.
+      batch_done(0);
+      kick();
+      return;
+    }
+    if (small_) {
+      io_uring_prep_send(sqe, fd(), small_buf_, bytes, MSG_NOSIGNAL);
+    } else if (zc_write_) {
+      io_uring_prep_sendmsg_zc(sqe, fd(), &msg_, MSG_NOSIGNAL);
+      ++stats_.zero_copy_writes;
+    } else {
+      io_uring_prep_sendmsg(sqe, fd(), &msg_, MSG_NOSIGNAL);
+    }
+    io_uring_sqe_set_data(sqe, static_cast<operation*>(&write_op_));
+    sched().note_submitted();
+    write_inflight_ = true;
+    ++stats_.writes;
+    return;
+  }
+}
+
+inline void connection::on_write(operation* o, int res, std::uint32_t flags) noexcept {
+  connection* c = static_cast<conn_op*>(o)->self;
+  if (flags & IORING_CQE_F_MORE) {
+    // SENDMSG_ZC: the result now; the pages stay the kernel's until the
+    // notification CQE (IORING_CQE_F_NOTIF) that follows.
+    c->zc_result_ = res;
+    return;
+  }
+  if (flags & IORING_CQE_F_NOTIF) res = c->zc_result_;
+  c->enter();
+  c->write_inflight_ = false;
+  c->write_blocked_ = false;
+  if (c->batch_done(res)) c->start_write(true);
+  c->on_io_done();
+  c->leave();
+}
+
+inline bool connection::batch_done(ssize_t res) noexcept {
+  std::size_t left = res > 0 ? static_cast<std::size_t>(res) : 0;
+  std::size_t n = std::exchange(batch_n_, 0);
+  // The batch is the first n frames of the queue; none can have left it
+  // while in flight.
+  frame* f = tx_.head;
+  for (std::size_t i = 0; i < n; ++i) {
+    frame* next = f->next;
+    f->in_flight = false;
+    std::size_t take = std::min(left, frame_total(*f) - f->written);
+    f->written += take;
+    left -= take;
+    if (f->written == frame_total(*f)) {
+      tx_.erase(f);
+      f->where = nowhere;
+      ++stats_.frames_out;
+      on_sent(*f, {});
+    } else if (failed()) {
+      // Failed while it was in the write: it will never go out.
+      tx_.erase(f);
+      f->where = nowhere;
+      on_sent(*f, error());
+    }
+    f = next;
+  }
+  if (res < 0 && res != -EINTR && res != -EAGAIN && !failed()) on_link_failed(connection_error(static_cast<int>(res)));
+  if (failed()) {
+    // Frames behind the batch; the engine ends or shuts the connection.
+    drop_unsent();
+    return_dropped();
+    return false;
+  }
+  unseal_untouched();
+  return true;
+}
+
+inline void connection::unseal_untouched() noexcept {
+  frame* f = tx_.head;
+  while (f != nullptr && f->sealed && f->written != 0) f = f->next;
+  while (f != nullptr && f->sealed) {
+    f->sealed = false;
+    --tx_seq_;
+    f = f->next;
+  }
+}
+
+}  // namespace gdr::detail::tcp
