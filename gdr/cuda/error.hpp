@@ -39,6 +39,7 @@
 #include <system_error>
 
 #include <gdr/error.hpp>
+#include <gdr/log.hpp>
 
 namespace gdr::cuda {
 
@@ -98,18 +99,17 @@ namespace detail {
 /// Writes "gdr: <what>: <message>" to stderr. Used only where an error cannot
 /// be returned (destructors, fatal errors).
 inline void log_error(std::error_code ec, const char* what) noexcept {
-  std::fprintf(stderr, "gdr: %s: %s\n", what != nullptr ? what : "CUDA call",
-               ec.message().c_str());
+  gdr::detail::log("cuda", "%s: %s", what != nullptr ? what : "CUDA call", ec.message().c_str());
 }
 
 [[noreturn]] inline void fatal(cudaError_t e, const char* what) noexcept {
   // Several threads may hit the same poisoned context: print one line.
   static std::atomic_flag printed = ATOMIC_FLAG_INIT;
   if (!printed.test_and_set()) {
-    std::fprintf(stderr,
-                 "gdr: fatal CUDA error in %s: %s: %s. The CUDA context is poisoned "
-                 "(every later call would fail); aborting.\n",
-                 what != nullptr ? what : "a CUDA call", cudaGetErrorName(e), cudaGetErrorString(e));
+    gdr::detail::log("cuda",
+                "fatal error in %s: %s: %s. The CUDA context is poisoned "
+                "(every later call would fail); aborting.",
+                what != nullptr ? what : "a CUDA call", cudaGetErrorName(e), cudaGetErrorString(e));
   }
   std::abort();
 }

@@ -63,6 +63,7 @@
 #include <sys/random.h>
 
 #include <gdr/error.hpp>
+#include <gdr/log.hpp>
 #include <gdr/memory/access.hpp>
 #include <gdr/memory/remote_view.hpp>
 #include <gdr/memory/space.hpp>
@@ -501,10 +502,10 @@ void registration<T, S>::revoke_on_drop() noexcept {
   if (served) {
     // Destructors do not block, and this one cannot wait: say it once, here,
     // where the mistake starts.
-    std::fprintf(stderr,
-                 "gdr: a registration of %zu bytes at %p was destroyed while a peer's access to it is being "
-                 "served; keep the memory allocated until it ends: co_await reg.revoke() before freeing it\n",
-                 view_.size_bytes(), static_cast<const void*>(view_.data()));
+    gdr::detail::log("memory",
+                "a registration of %zu bytes at %p was destroyed while a peer's access to it is being "
+                "served; keep the memory allocated until it ends: co_await reg.revoke() before freeing it",
+                view_.size_bytes(), static_cast<const void*>(view_.data()));
   }
 }
 

@@ -126,8 +126,12 @@
 
 #include <gdr/config.hpp>
 #include <gdr/error.hpp>
+#include <gdr/log.hpp>
 #include <gdr/sched/operation.hpp>
+#include <gdr/sched/options.hpp>
 #include <gdr/sched/poller.hpp>
+#include <gdr/sched/stop_hook.hpp>
+#include <gdr/sched/wake.hpp>
 
 #if GDR_TSAN
 extern "C" void __tsan_acquire(void* addr);
@@ -136,128 +140,10 @@ extern "C" void __tsan_release(void* addr);
 
 namespace gdr {
 
-/// How the loop waits when there is nothing to do.
-enum class run_mode {
-  busy_poll,  ///< never block: poll the CQ and the pollers in a tight loop
-  sleep,      ///< block in io_uring_enter until a completion or a poller bound
-};
-
-namespace detail {
-/// `GDR_MASK_EXT_ARG=1` in the environment (see `scheduler_options::ext_arg`).
-inline bool ext_arg_masked_by_env() noexcept {
-  static const bool masked = [] {
-    const char* v = std::getenv("GDR_MASK_EXT_ARG");
-    return v != nullptr && v[0] == '1' && v[1] == '\0';
-  }();
-  return masked;
-}
-}  // namespace detail
-
-/// Construction options of a scheduler.
-struct scheduler_options {
-  unsigned sq_entries = 256;          ///< io_uring submission queue size
-  run_mode mode = run_mode::sleep;    ///< how the loop waits
-  /// Other schedulers' threads wake this one with `IORING_OP_MSG_RING` when
-  /// the kernel has it (probed once per process). False: they write its
-  /// eventfd, as plain threads do (slower, ~2x; for kernels whose MSG_RING
-  /// misbehaves, and for tests).
-  bool msg_ring_wakeups = true;
-  /// How long the destructor runs the loop to finish operations still in
-  /// flight before it gives up on them (see "Teardown" in the file comment).
-  std::chrono::milliseconds teardown_timeout{5000};
-  /// Bounded sleeps pass their bound to `io_uring_enter` when the kernel has
-  /// `IORING_FEAT_EXT_ARG` (Linux 5.11). False: the scheduler behaves as on an
-  /// older kernel (liburing bounds the sleep with a timeout SQE; see "Bounded
-  /// sleeps on kernels before 5.11" in the file comment), for tests of that
-  /// path. The default is false when the environment has `GDR_MASK_EXT_ARG=1`
-  /// (read once per process), so a whole test binary can run that way.
-  bool ext_arg = !detail::ext_arg_masked_by_env();
-};
-
-/// Counters a scheduler keeps; cheap, for tests and benchmarks.
-struct scheduler_stats {
-  std::uint64_t iterations = 0;       ///< run_once calls
-  std::uint64_t completions = 0;      ///< CQEs dispatched to operations
-  std::uint64_t submits = 0;          ///< io_uring_enter calls made to submit or wait
-  std::uint64_t sleeps = 0;           ///< times the loop blocked in the kernel
-  std::uint64_t remote = 0;           ///< remote_work nodes run
-  std::uint64_t msg_ring_failed = 0;  ///< wake-up messages this loop sent that failed (sent again by eventfd)
-  std::uint64_t cancels_deferred = 0; ///< cancels that found no free SQE and waited in the pending list
-  std::uint64_t wake_reads_deferred = 0;  ///< eventfd reads that found no free SQE and were armed an iteration later
-};
-
 class scheduler;
 
 namespace detail {
 inline thread_local scheduler* current_scheduler = nullptr;
-
-// user_data values that are not operations. Heap and stack addresses are never
-// this small.
-inline constexpr std::uint64_t ignore_tag = 0;  // cancel requests, link timeouts
-inline constexpr std::uint64_t wake_tag = 1;    // MSG_RING wake-ups from other rings
-// Set in the user_data of a MSG_RING wake-up sent from this ring, whose other
-// bits are the target's wake_channel. Operations are at least 8-byte aligned,
-// so their addresses never have it.
-inline constexpr std::uint64_t message_bit = 1;
-
-/// A scheduler's eventfd, shared by the scheduler and by the MSG_RING
-/// wake-ups in flight to it (see "A wake-up is never lost" in the file
-/// comment). The last reference closes the descriptor.
-struct wake_channel {
-  int fd = -1;
-  std::atomic<std::uint32_t> refs{1};
-
-  void acquire() noexcept { refs.fetch_add(1, std::memory_order_relaxed); }
-  void release() noexcept {
-    // acq_rel: every holder's use of `fd` happens before the close.
-    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      ::close(fd);
-      delete this;
-    }
-  }
-  /// Wakes the ring that reads this eventfd. Any thread.
-  void signal() const noexcept {
-    std::uint64_t one = 1;
-    // A full counter (EAGAIN) means a wake-up is pending anyway.
-    [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof one);
-  }
-};
-
-/// Whether this kernel has IORING_OP_MSG_RING, asked once per process (of the
-/// first scheduler's ring: io_uring_get_probe would set up a ring of its own).
-inline bool msg_ring_supported(io_uring& ring) noexcept {
-  static const bool supported = [&ring] {
-    io_uring_probe* p = io_uring_get_probe_ring(&ring);
-    if (p == nullptr) return false;  // no IORING_REGISTER_PROBE (before 5.6): older than MSG_RING too
-    bool yes = io_uring_opcode_supported(p, IORING_OP_MSG_RING) != 0;
-    io_uring_free_probe(p);
-    return yes;
-  }();
-  return supported;
-}
-
-/// The stop callbacks of one pending operation, as its scheduler knows them.
-/// An operation whose stop callbacks post to its scheduler (`uring_awaitable`,
-/// `cancellable`) links a hook into it while they are registered
-/// (`scheduler::link_stop_hook`) and unlinks it when it destroys them
-/// (`unlink_stop_hook`). A scheduler being destroyed calls `drop` on every
-/// hook still linked, after unlinking it: `drop` destroys the operation's
-/// callbacks (which waits for one running on another thread), so no later
-/// stop request reaches the dead scheduler. Loop thread only.
-struct stop_hook {
-  void (*drop)(stop_hook* self) noexcept = nullptr;
-  stop_hook* prev = nullptr;  // null: not linked
-  stop_hook* next = nullptr;
-};
-
-/// Takes `h` off its scheduler's list if it is on one; touches only the
-/// neighbours, so it is safe after the scheduler dropped `h` and is gone.
-inline void unlink_stop_hook(stop_hook& h) noexcept {
-  if (h.prev == nullptr) return;
-  h.prev->next = h.next;
-  h.next->prev = h.prev;
-  h.prev = h.next = nullptr;
-}
 
 struct scheduler_testing;
 }  // namespace detail
@@ -592,10 +478,10 @@ class scheduler {
     }
     // One line, where the problem shows; the destructor must not throw or
     // abort (a program ending with work outstanding should still end).
-    std::fprintf(stderr,
-                 "gdr::scheduler: destroyed with %zu operation(s) still in flight after %lld ms of teardown; "
-                 "abandoning them (their coroutines will not resume, what they hold is leaked)\n",
-                 inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
+    gdr::detail::log("scheduler",
+                "destroyed with %zu operation(s) still in flight after %lld ms of teardown; "
+                "abandoning them (their coroutines will not resume, what they hold is leaked)",
+                inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
   }
 
   // The destructor, after finish_inflight: the operations still pending will

@@ -61,6 +61,7 @@
 #include <utility>
 
 #include <gdr/error.hpp>
+#include <gdr/log.hpp>
 #include <gdr/memory/access.hpp>
 #include <gdr/memory/space.hpp>
 #include <gdr/transfer/common.hpp>
@@ -409,43 +410,22 @@ inline std::string to_string(const path_decision& d) {
   return s;
 }
 
-namespace detail {
-
-/// `spec` (a `GDR_LOG` value) names `topic` or `all`. Topics are separated
-/// by commas, spaces or colons: "path", "path,tcp", "all".
-constexpr bool log_spec_names(std::string_view spec, std::string_view topic) noexcept {
-  while (!spec.empty()) {
-    const std::size_t end = spec.find_first_of(", :");
-    const std::string_view word = spec.substr(0, end);
-    if (word == topic || word == "all") return true;
-    if (end == std::string_view::npos) break;
-    spec.remove_prefix(end + 1);
-  }
-  return false;
-}
-
-}  // namespace detail
-
 /// `GDR_LOG` asks for path decisions (`path` or `all`). The environment is
 /// read once, at the first call, and the answer kept: set `GDR_LOG` before
 /// the first endpoint is made. Thread-safe.
 inline bool path_log_enabled() noexcept {
   static const bool enabled = [] {
-    const char* spec = std::getenv("GDR_LOG");
-    return spec != nullptr && detail::log_spec_names(spec, "path");
+    return log_topic_enabled("path");
   }();
   return enabled;
 }
 
-/// Prints `to_string(d)` and a newline to stderr, in one write, when
+/// Writes `to_string(d)` as one line (gdr/log.hpp) when
 /// `path_log_enabled()`. Endpoints call it once per decision at set-up.
 inline void log_path_decision(const path_decision& d) {
   if (!path_log_enabled()) return;
-  std::string line = to_string(d);
-  line += '\n';
-  // One fwrite to the unbuffered stderr: one write(2), so lines from
-  // endpoints set up on several threads do not interleave.
-  std::fwrite(line.data(), 1, line.size(), stderr);
+  const std::string line = to_string(d);
+  detail::log_sink_slot().load(std::memory_order_acquire)(line);
 }
 
 // ===================================================== rows of the CPU transports

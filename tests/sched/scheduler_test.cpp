@@ -870,6 +870,6 @@ TEST_CASE("destroying a scheduler whose operation never completes gives up after
   ::close(p[1]);
   CHECK(took >= 100ms);
   CHECK(took < 2s);
-  CHECK(text.find("gdr::scheduler: destroyed with 1 operation(s) still in flight after 100 ms") != std::string::npos);
+  CHECK(text.find("gdr scheduler: destroyed with 1 operation(s) still in flight after 100 ms") != std::string::npos);
   CHECK(std::count(text.begin(), text.end(), '\n') == 1);  // one line
 }

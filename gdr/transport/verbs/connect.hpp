@@ -29,6 +29,7 @@
 
 #include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
+#include <gdr/log.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/sched/uring_op.hpp>
@@ -95,7 +96,7 @@ inline task<result<cm_event>> next_event(scheduler& s, rdma_event_channel* ch) {
 /// The set-up's failure when `step` got event `e` instead of the one it
 /// waited for (and a line saying so).
 inline std::error_code unexpected_event(const cm_event& e, const char* step) noexcept {
-  std::fprintf(stderr, "gdr::verbs: %s: got %s (status %d)\n", step, rdma_event_str(e.type), e.status);
+  gdr::detail::log("verbs", "%s: got %s (status %d)", step, rdma_event_str(e.type), e.status);
   switch (e.type) {
     case RDMA_CM_EVENT_REJECTED: return errno_code(ECONNREFUSED);
     case RDMA_CM_EVENT_UNREACHABLE: return errno_code(EHOSTUNREACH);

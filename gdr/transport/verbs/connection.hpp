@@ -80,6 +80,7 @@
 #include <netinet/in.h>
 
 #include <gdr/error.hpp>
+#include <gdr/log.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/protocol/engine.hpp>
 #include <gdr/sched/operation.hpp>
@@ -162,8 +163,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       if (f) {
         dq_->flush = std::move(*f);
       } else {
-        std::fprintf(stderr, "gdr verbs: the GPUDirect flush's loopback queue pair: %s\n",
-                     f.error().message().c_str());
+        gdr::detail::log("verbs", "the GPUDirect flush's loopback queue pair: %s", f.error().message().c_str());
         gpudirect_fail("no flush for a GPU that needs one");
       }
     }

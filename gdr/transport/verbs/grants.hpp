@@ -25,6 +25,7 @@
 /// range), else the connection fails.
 #pragma once
 
+#include <gdr/log.hpp>
 #include <gdr/transport/verbs/connection.hpp>
 
 namespace gdr::detail::verbs {
@@ -138,8 +139,8 @@ inline auto connection::register_exact(const void* addr, std::size_t len, int de
   result<ibv_mr*> mr = backend.register_range(reinterpret_cast<std::uintptr_t>(addr), len);
   if (!mr) {
     if (device >= 0)
-      std::fprintf(stderr, "gdr verbs: registering %zu bytes of GPU %d memory failed: %s\n", len, device,
-                   mr.error().message().c_str());
+      gdr::detail::log("verbs", "registering %zu bytes of GPU %d memory failed: %s", len, device,
+                  mr.error().message().c_str());
     return mr.error();
   }
   ++stats_.registrations;
@@ -156,8 +157,8 @@ inline auto connection::register_user(gdr::verbs::mr_cache& cache, const void* a
   auto l = cache.acquire(addr, len);
   if (!l) {
     if (device >= 0)
-      std::fprintf(stderr, "gdr verbs: registering %zu bytes of GPU %d memory failed: %s\n", len, device,
-                   l.error().message().c_str());
+      gdr::detail::log("verbs", "registering %zu bytes of GPU %d memory failed: %s", len, device,
+                  l.error().message().c_str());
     return l.error();
   }
   ++stats_.registrations;

@@ -15,6 +15,7 @@
 /// requests at the end of a burst are accounted for).
 #pragma once
 
+#include <gdr/log.hpp>
 #include <gdr/transport/verbs/connection.hpp>
 
 namespace gdr::detail::verbs {
@@ -24,8 +25,8 @@ inline void connection::on_tick() noexcept { keepalive_tick(); }
 inline void connection::on_qp_event(ibv_event_type type) noexcept {
   enter();
   if (!failed()) {
-    std::fprintf(stderr, "gdr verbs: %s: device event %s: the connection fails\n", peer_name().c_str(),
-                 ibv_event_type_str(type));
+    gdr::detail::log("verbs", "%s: device event %s: the connection fails", peer_name().c_str(),
+                     ibv_event_type_str(type));
     on_link_failed(errc::connection_lost);
   }
   on_io_done();
@@ -119,7 +120,7 @@ inline bool connection::protocol_fail() noexcept {
 /// operation with it (`errc::gpudirect_unavailable`).
 inline bool connection::gpudirect_fail(const char* why) noexcept {
   if (!failed()) {
-    std::fprintf(stderr, "gdr verbs: %s: GPUDirect: %s: the connection fails\n", peer_name().c_str(), why);
+    gdr::detail::log("verbs", "%s: GPUDirect: %s: the connection fails", peer_name().c_str(), why);
     on_link_failed(errc::gpudirect_unavailable);
   }
   return false;
@@ -127,8 +128,7 @@ inline bool connection::gpudirect_fail(const char* why) noexcept {
 
 inline void connection::fail_wc(const ibv_wc& wc) noexcept {
   if (wc.status != IBV_WC_WR_FLUSH_ERR)
-    std::fprintf(stderr, "gdr verbs: %s: work completion failed: %s\n", peer_name().c_str(),
-                 ibv_wc_status_str(wc.status));
+    gdr::detail::log("verbs", "%s: work completion failed: %s", peer_name().c_str(), ibv_wc_status_str(wc.status));
   on_link_failed(wc_error(wc.status));
 }
 

@@ -17,6 +17,7 @@
 /// on a queue pair made anew.
 #pragma once
 
+#include <gdr/log.hpp>
 #include <gdr/transport/verbs/connection.hpp>
 
 namespace gdr::detail::verbs {
@@ -119,8 +120,7 @@ inline void connection::post_flush() noexcept {
   gdr::verbs::flush_qp& q = *dq_->flush;
   if (q.needs_remake()) {
     if (result<void> r = q.connect(dq_->pd, dq_->cq, id_); !r) {
-      std::fprintf(stderr, "gdr verbs: making the GPUDirect flush's queue pair again: %s\n",
-                   r.error().message().c_str());
+      gdr::detail::log("verbs", "making the GPUDirect flush's queue pair again: %s", r.error().message().c_str());
       gate_.drop_waiting();
       gpudirect_fail("no flush queue pair");
       return;
@@ -156,7 +156,7 @@ inline void connection::post_flush() noexcept {
   ibv_send_wr* bad = nullptr;
   if (int rc = ibv_post_send(q.qp, &wr, &bad)) {  // returns an errno value
     gate_.drop_waiting();
-    std::fprintf(stderr, "gdr verbs: posting the GPUDirect flush: %s\n", std::strerror(rc));
+    gdr::detail::log("verbs", "posting the GPUDirect flush: %s", std::strerror(rc));
     gpudirect_fail("the flush could not be posted");
     return;
   }
@@ -185,7 +185,7 @@ inline void connection::flush_done(const ibv_wc& wc) noexcept {
   ++activity_;
   const bool ok = wc.status == IBV_WC_SUCCESS;
   if (!ok && wc.status != IBV_WC_WR_FLUSH_ERR)
-    std::fprintf(stderr, "gdr verbs: the GPUDirect flush's READ failed: %s\n", ibv_wc_status_str(wc.status));
+    gdr::detail::log("verbs", "the GPUDirect flush's READ failed: %s", ibv_wc_status_str(wc.status));
   // Once more on a queue pair made anew: the failure may have been another
   // endpoint's, whose READ put the shared queue pair in the error state.
   const bool retry = !ok && gate_.flush.retries == 0 && !failed() && !shut_;

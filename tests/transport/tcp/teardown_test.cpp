@@ -134,6 +134,6 @@ TEST_CASE("a scheduler destroyed while its endpoints live reports them; destroyi
     CAPTURE(text);
     CHECK(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 0);
-    CHECK(text.find("gdr::scheduler: destroyed with 2 operation(s) still in flight after 100 ms") != std::string::npos);
+    CHECK(text.find("gdr scheduler: destroyed with 2 operation(s) still in flight after 100 ms") != std::string::npos);
   }
 }
