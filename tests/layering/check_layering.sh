@@ -13,6 +13,10 @@
 #      gdr/gdr.hpp, the umbrella, above all. transport/'s own folders
 #      (loopback, tcp, verbs) sit on its files' level and may include each
 #      other only without a cycle. A new folder must be given its place here.
+#   4. no header is longer than 800 lines: every unit that includes gdr.hpp
+#      parses them all, and a header that long holds more than one concern
+#      (split it by concern, as gdr/protocol/engine/ and gdr/transport/tcp/
+#      are).
 #
 #   bash tests/layering/check_layering.sh [ROOT]    # ROOT holds gdr/; default .
 #
@@ -161,6 +165,17 @@ if ((${#sub_edges[@]})) && ! printf '%s\n' "${sub_edges[@]}" | tsort >/dev/null 
   violations=$((violations + 1))
 fi
 echo "checked $folders_checked header(s) against the folder stack"
+
+# Rule 4: the size of a header.
+max_lines=800
+for h in "${headers[@]}"; do
+  n=$(wc -l <"$root/$h")
+  if ((n > max_lines)); then
+    echo "layering violation: $h has $n lines (at most $max_lines; split it by concern)"
+    violations=$((violations + 1))
+  fi
+done
+echo "checked ${#headers[@]} header(s) against $max_lines lines"
 
 if ((violations)); then
   echo "$violations layering violation(s)"

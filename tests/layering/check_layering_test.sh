@@ -88,6 +88,10 @@ mkdir -p "$work/newfolder/gdr/ipc"
 printf '#pragma once\n#include <gdr/error.hpp>\n' >"$work/newfolder/gdr/ipc/ring.hpp"
 expect "a folder with no place in the stack fails" 1 "folder 'ipc' has no place in the stack" "$work/newfolder"
 
+fresh_copy "$work/long"
+yes '// padding' | head -n 801 >>"$work/long/gdr/sched/timer.hpp"
+expect "a header over 800 lines fails" 1 '^layering violation: gdr/sched/timer.hpp has [0-9]+ lines' "$work/long"
+
 fresh_copy "$work/renamed"
 rm "$work/renamed"/gdr/sched/*.hpp
 expect "a rule that matches no header refuses to pass" 2 'no header matches' "$work/renamed"
