@@ -73,6 +73,13 @@
 /// ends its half and reads what the peer still sends until the peer's end,
 /// so that nothing sent before is lost to a reset; close() returns when
 /// the transport has ended (or its timeout aborts it: `link_shutdown`).
+/// The close frame is the last frame this side sends: a frame posted after
+/// it (the next request of a put or get moved as segments, an answer to a
+/// request, a decline) is returned unsent from the outbox, as if the
+/// connection had ended there, and its operation fails with `errc::closed`
+/// (a peer would drop it after the close frame anyway; a TCP peer whose
+/// reader is paused checks that what it has not read ends with the close
+/// frame to tell an orderly end from a lost connection).
 ///
 /// Device memory (the staged path, below the rest of the engine). An
 /// operation whose local or remote memory is `Device` moves as segments of

@@ -30,13 +30,13 @@ std::vector<std::uint64_t> seeds() {
   return v;
 }
 
-void run_seeds(std::vector<transport_kind> ts) {
+void run_seeds(std::vector<transport_kind> ts, const std::vector<std::uint64_t>& list = seeds()) {
   warm_up();  // before the watchdog: a run arms its own alarm
   std::vector<run_config> runs;
   const run_config base = default_config();
   for (transport_kind t : ts)
     for (gdr::run_mode m : {gdr::run_mode::busy_poll, gdr::run_mode::sleep})
-      for (std::uint64_t s : seeds()) {
+      for (std::uint64_t s : list) {
         run_config c = base;
         c.transport = t;
         c.mode = m;
@@ -69,6 +69,18 @@ TEST_CASE("seeded random traffic over loopback holds every rule, in both run mod
 
 TEST_CASE("seeded random traffic over TCP holds every rule, in both run modes") {
   run_seeds({transport_kind::tcp});
+}
+
+// Seeds a long run found failing, each fixed since; they run on the default
+// plan sizes (under sanitizers the same seed draws a smaller plan, which may
+// not reach the same moment).
+TEST_CASE("seeds the long runs found hold over TCP: nothing follows a close frame") {
+  // A put or get moved as segments posted its next request after the close
+  // frame had been posted; the peer, its reader paused for an rx bounce
+  // buffer, saw the end of stream behind a get_request instead of behind
+  // the close frame and failed with connection_lost although the peer had
+  // closed in order (both run modes; 13 of 134,302 runs).
+  run_seeds({transport_kind::tcp}, {5644, 6326, 8744, 9564, 10741, 14056});
 }
 
 TEST_CASE("a TCP peer process SIGKILLed at a random moment fails the survivor's operations in bounded time") {

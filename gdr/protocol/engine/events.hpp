@@ -218,11 +218,16 @@ inline void engine::delist(op& o) noexcept {
 }
 
 inline void engine::post(frame& f) noexcept {
-  if (link_calls_now()) {
+  // Nothing follows the close frame (see "Close" in gdr/protocol/engine.hpp):
+  // a frame posted after it goes back through the outbox unsent.
+  const bool after_close = close_posted_ && f.hdr.type != msg::close;
+  if (link_calls_now() && !after_close) {
     link_post(f);
     return;
   }
   assert(!f.in_outbox);
+  f.after_close = after_close;
+  if (after_close && busy_ == 0) post_resume();  // returned from the loop, never from inside the caller
   f.in_outbox = true;
   f.out_next = nullptr;
   (outbox_tail_ ? outbox_tail_->out_next : outbox_head_) = &f;
@@ -236,6 +241,7 @@ inline bool engine::withdraw(frame& f) noexcept {
     (prev ? prev->out_next : outbox_head_) = f.out_next;
     if (outbox_tail_ == &f) outbox_tail_ = prev;
     f.in_outbox = false;
+    f.after_close = false;
     f.out_next = nullptr;
     return true;
   }
@@ -290,7 +296,11 @@ inline bool engine::drain() noexcept {
     if (outbox_head_ == nullptr) outbox_tail_ = nullptr;
     f->in_outbox = false;
     f->out_next = nullptr;
-    link_post(*f);
+    if (std::exchange(f->after_close, false)) {
+      on_sent(*f, errc::closed);  // never written: as if the connection had ended at the close frame
+    } else {
+      link_post(*f);
+    }
   }
   if (std::exchange(abort_due_, false) && current_target_dead()) abort_current();
   while (op* o = stops_head_) {

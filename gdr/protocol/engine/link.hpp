@@ -29,6 +29,9 @@ struct frame {
   /// transport at its end): the next one, and whether it is there.
   frame* out_next = nullptr;
   bool in_outbox = false;
+  /// Posted after this side's close frame: it goes back from the outbox
+  /// unsent (`on_sent` with `errc::closed`), never to the transport.
+  bool after_close = false;
   bool own_answer = false;  ///< an answer allocated for itself, freed once sent
   // ---- the transport's (queue links, progress, its encoding of the header) ----
   frame* prev = nullptr;
