@@ -149,11 +149,13 @@ inline void check_outcome(const plan& p, const run_record& rr, const op_record& 
       !(is(o.state_at_start, gdr::errc::closed) && is_endpoint_error(e)) && !stopped)
     bad("broken-endpoint", strf("a receive started on an endpoint broken with %s", o.state_at_start.message().c_str()));
   // A send the peer declined while closing (GUIDE section 8) fails with
-  // closed or peer_closed as that moment's state said; the endpoint may
-  // have moved on (the peer's close frame, or its drop) before the send's
-  // coroutine ran.
+  // closed or peer_closed as that moment's state said, and so does an
+  // operation this side's close ended (a request that would have followed
+  // its close frame): the endpoint may have moved on (the peer's close
+  // frame, or its drop) before the operation's coroutine ran.
   const bool declined = o.kind == op_kind::send && (is(e, gdr::errc::closed) || is(e, gdr::errc::peer_closed));
-  if (is_endpoint_error(e) && o.state_at_end && e != o.state_at_end && !declined)
+  const bool ended_by_close = is(e, gdr::errc::closed) && before(me.close_start);
+  if (is_endpoint_error(e) && o.state_at_end && e != o.state_at_end && !declined && !ended_by_close)
     bad("broken-endpoint", strf("the endpoint said %s when it failed", o.state_at_end.message().c_str()));
   if ((o.kind == op_kind::send || o.kind == op_kind::recv) && o.rep.tag != o.tag)
     bad("report", strf("report names tag %llu", static_cast<unsigned long long>(o.rep.tag)));

@@ -83,6 +83,15 @@ TEST_CASE("seeds the long runs found hold over TCP: nothing follows a close fram
   run_seeds({transport_kind::tcp}, {5644, 6326, 8744, 9564, 10741, 14056});
 }
 
+TEST_CASE("seeds the long runs found hold over TCP: a request's credit before its bounce buffer") {
+  // Each side's only tx bounce buffer held a put's or get's request that
+  // waited for a credit; the credits were held by this side's requests
+  // that the peer served, and the peer's answers (gets of its Device
+  // memory) waited for the peer's only tx bounce buffer, held the same
+  // way: both sides waited for ever (hang-tx-slots, both run modes).
+  run_seeds({transport_kind::tcp}, {28854, 47697});
+}
+
 TEST_CASE("a TCP peer process SIGKILLed at a random moment fails the survivor's operations in bounded time") {
   run_seeds({transport_kind::tcp_kill});
 }

@@ -86,6 +86,9 @@ inline void engine::release_slot(stage_slot& b) noexcept {
     --o->slots_;
     if (!b.rx) unlink_segment(*o, b);
   }
+  // A request's credit taken with the buffer and never spent on a request
+  // that went out comes back.
+  if (std::exchange(b.credited, false) && !b.posted) credit_back();
   b.owner = nullptr;
   b.rs = nullptr;
   b.off = b.len = 0;

@@ -625,6 +625,11 @@ class engine {
     if (!credit_wait_.empty() || !credit_pumps_.empty()) credit_due_ = true;
   }
 
+  /// Spends a credit on the request that bounce buffer `b` will carry.
+  void take_credit(stage_slot& b) noexcept {
+    --credits_;
+    b.credited = true;
+  }
   void wait_for_credit(op& o) noexcept;
 
   /// Credits came back: whoever waits for one goes on, in order.

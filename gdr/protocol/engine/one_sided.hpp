@@ -166,7 +166,7 @@ inline void engine::run_credit_waiters() noexcept {
     op* o = credit_pumps_.front();
     credit_pumps_.erase(credit_pumps_.begin());
     o->credit_due_ = false;
-    post_ready(*o);
+    pump(*o);
   }
 }
 

@@ -53,6 +53,7 @@ struct stage_slot : copy_engine::completion {
   bool copying = false;  ///< a copy into or out of it is queued
   bool ready = false;    ///< tx: its bytes are in place, the frame not yet posted
   bool posted = false;   ///< tx: its frame is posted
+  bool credited = false; ///< tx: a put's or get's request: its credit is taken (with the buffer)
 };
 
 /// The bounce buffers of one direction of an endpoint.

@@ -248,8 +248,10 @@ inline void engine::pump(op& o) noexcept {
     // Nothing to move: one empty request checks the key (once: a slot
     // held or a request out means it is on its way).
     if (o.sq_head_ != nullptr || o.out_ != 0) return post_ready(o);
+    if (credits_ == 0) return wait_for_credit(o);
     stage_slot* b = take(tx_);
     if (b == nullptr) return wait_for_slot(o, false);
+    take_credit(*b);
     attach_segment(o, *b, 0, 0);
     b->ready = true;
     return post_ready(o);
@@ -261,11 +263,20 @@ inline void engine::pump(op& o) noexcept {
   while (o.issued_ < o.total_) {
     if (rma && o.out_ + o.slots_ >= depth) break;  // enough requests unanswered
     if (before_rtr && (o.slots_ != 0 || tx_.count - tx_.in_use < 2)) break;
+    // A request's credit (a reply slot of the peer's) before its bounce
+    // buffer, never a buffer held while waiting for a credit: the peer's
+    // answers that return credits may wait for this side's buffers (a get
+    // of this side's Device memory), and both sides would wait for ever.
+    if (rma && credits_ == 0) {
+      wait_for_credit(o);
+      break;
+    }
     stage_slot* b = take(tx_);
     if (b == nullptr) {
       wait_for_slot(o, false);
       break;
     }
+    if (rma) take_credit(*b);
     std::size_t len = std::min(o.seg_, o.total_ - o.issued_);
     attach_segment(o, *b, o.issued_, len);
     o.issued_ += len;
@@ -290,13 +301,7 @@ inline void engine::post_ready(op& o) noexcept {
   for (stage_slot* b = o.sq_head_; b != nullptr; b = b->next) {
     if (b->posted) continue;
     if (!b->ready) break;
-    if (o.kind_ != op::kind::send) {
-      if (credits_ == 0) {
-        wait_for_credit(o);
-        break;
-      }
-      --credits_;
-    }
+    assert((o.kind_ == op::kind::send || b->credited) && "gdr: a request's bounce buffer without its credit");
     frame& f = b->f;
     f.reset(&o);
     f.sslot = b;
