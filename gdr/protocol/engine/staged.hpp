@@ -349,6 +349,7 @@ inline void engine::post_ready(op& o) noexcept {
 inline void engine::segment_sent(stage_slot& b, std::error_code ec) noexcept {
   op& o = *b.owner;
   b.posted = false;
+  b.credited = false;  // a request's credit is its answer's now (or the connection is over)
   std::size_t len = b.len;
   release_slot(b);
   if (ec) {
