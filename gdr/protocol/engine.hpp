@@ -156,7 +156,10 @@
 /// event (an operation starting from its `await_suspend`) the hooks are
 /// called at once. Debug builds assert it. Which list an operation is on
 /// is recorded in the operation (`op::list_`), never inferred from its
-/// stage; taking a node off a list it is not on is an assertion.
+/// stage; taking a node off a list it is not on is an assertion. An
+/// operation's stage changes only through `op::to`, and `op::may_move` is
+/// the one table of the moves each kind may make (debug builds assert
+/// every move against it).
 #pragma once
 
 #include <gdr/protocol/engine/engine.hpp>

@@ -165,7 +165,7 @@ inline void engine::do_cancel(op& o, std::error_code why) noexcept {
         o.f1_.queued = false;
         credit_back();
         delist(o);
-        o.stage_ = op::stage::idle;
+        o.to(op::stage::idle);
       } else if (o.f1_.queued && link_committed(o.f1_)) {
         // Being written: it completes with `why` once the request is out
         // (a put's payload is still in the kernel's hands).
@@ -308,7 +308,7 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
   if (o.placing_ && (cur_.kind == target::op_payload || cur_.kind == target::via_host) && cur_.o == &o)
     request_abort();
   if (cur_.kind == target::stage_rx && cur_.b->owner == &o) request_abort();
-  o.stage_ = op::stage::idle;
+  o.to(op::stage::idle);
   if (closing_ && o.kind_ == op::kind::send) maybe_post_close();
   try_finish(o);
 }
@@ -542,7 +542,7 @@ inline bool op::start(std::coroutine_handle<> h, std::stop_token coro_stop) noex
     eng_->note_detached();
     result_set_ = true;
     finished_ = true;
-    stage_ = stage::idle;
+    to(stage::idle);
     eng_->record(*this);
     return false;
   }

@@ -68,7 +68,7 @@ inline bool engine::begin_recv(op& o) noexcept {
     o.ec_ = error_;
     return false;
   }
-  o.stage_ = op::stage::posted;
+  o.to(op::stage::posted);
   enlist(recvs_, o);
   resume_reading();
   return true;
@@ -82,7 +82,7 @@ inline op* engine::find_recv(std::uint64_t tag) noexcept {
 
 inline void engine::take_recv(op& r) noexcept {
   delist(r);
-  r.stage_ = op::stage::idle;
+  r.to(op::stage::idle);
 }
 
 inline op* engine::recv_for_eager(std::uint64_t tag, std::size_t len) noexcept {
@@ -109,7 +109,7 @@ inline void engine::match_rts(op& r, std::uint64_t size, std::uint64_t sid) noex
   r.proto_ = wire_protocol::rendezvous;
   std::size_t accept = std::min<std::size_t>(size, r.size_);
   if (accept < size) r.ec_ = errc::truncated;  // reported when the data is in
-  r.stage_ = op::stage::awaiting;
+  r.to(op::stage::awaiting);
   r.total_ = accept;
   r.issued_ = 0;
   r.done_ = 0;
@@ -165,7 +165,7 @@ inline void engine::handshake_done() noexcept {
   if (std::exchange(got_credit_, true)) return;
   while (op* o = held_.head) {
     delist(*o);
-    o->stage_ = op::stage::idle;
+    o->to(op::stage::idle);
     if (!launch(*o)) complete(*o, o->ec_);  // larger than the peer accepts
   }
   maybe_post_close();
@@ -209,7 +209,7 @@ inline rx_plan engine::rx_eager(const header& h) noexcept {
       if (m == nullptr) return pause_reading();
       owe(len);
       take_recv(*r);
-      r->stage_ = op::stage::placing;
+      r->to(op::stage::placing);
       r->placing_ = true;
       target t{target::via_host, r};
       t.m = m;
@@ -224,7 +224,7 @@ inline rx_plan engine::rx_eager(const header& h) noexcept {
       if (want < len) r->ec_ = errc::truncated;
       r->msg_size_ = len;
       r->proto_ = wire_protocol::eager;
-      r->stage_ = op::stage::placing;
+      r->to(op::stage::placing);
       r->total_ = want;
       return place_in_bounce(*r, *b, 0, want, len - want);
     }
@@ -233,7 +233,7 @@ inline rx_plan engine::rx_eager(const header& h) noexcept {
     if (want < len) r->ec_ = errc::truncated;
     r->msg_size_ = len;
     r->proto_ = wire_protocol::eager;
-    r->stage_ = op::stage::placing;
+    r->to(op::stage::placing);
     r->placing_ = true;
     return place({target::op_payload, r}, r->data_, want, len - want);
   }
@@ -325,7 +325,7 @@ inline void engine::run_send_waiters() noexcept {
   while (send_msgs_credit_ != 0 && order_holds_ == 0 && !send_wait_.empty()) {
     op* o = send_wait_.head;
     delist(*o);
-    o->stage_ = op::stage::idle;
+    o->to(op::stage::idle);
     waiter_turn_ = true;  // its turn: it does not queue behind the others
     const bool pending = launch(*o);
     waiter_turn_ = false;

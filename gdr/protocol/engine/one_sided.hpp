@@ -127,7 +127,7 @@ inline rx_plan engine::rx_answer(const header& h) noexcept {
   if ((o->kind_ == op::kind::get) != get) return fail_plan();
   if (o->segmented()) return segment_answer(*o, h);
   delist(*o);
-  o->stage_ = op::stage::idle;
+  o->to(op::stage::idle);
   if (h.st != status::ok) {
     complete(*o, answer_error(h.st));
     return consumed();
@@ -139,7 +139,7 @@ inline rx_plan engine::rx_answer(const header& h) noexcept {
     return consumed();
   }
   if (h.length != o->size_) return fail_plan();  // not what was asked for
-  o->stage_ = op::stage::placing;
+  o->to(op::stage::placing);
   o->placing_ = true;
   return place({target::op_payload, o}, o->data_, o->size_, 0, o->nic_dev_);
 }
@@ -159,7 +159,7 @@ inline void engine::run_credit_waiters() noexcept {
   while (credits_ != 0 && !credit_wait_.empty()) {
     op* o = credit_wait_.head;
     delist(*o);
-    o->stage_ = op::stage::idle;
+    o->to(op::stage::idle);
     if (!launch(*o)) complete(*o, o->ec_);
   }
   while (credits_ != 0 && !credit_pumps_.empty()) {

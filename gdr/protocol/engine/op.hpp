@@ -3,12 +3,14 @@
 /// state, its frames and the links of the engine's lists.
 #pragma once
 
+#include <cassert>
 #include <coroutine>
 #include <cstddef>
 #include <cstdint>
 #include <stop_token>
 #include <system_error>
 
+#include <gdr/log.hpp>
 #include <gdr/protocol/engine/fifo.hpp>
 #include <gdr/protocol/engine/link.hpp>
 #include <gdr/protocol/engine/slots.hpp>
@@ -123,6 +125,53 @@ class op : private gdr::detail::cancellable<op> {
     placing,      // recv/get: its payload is being placed
     awaiting,     // recv: rtr sent, waiting for data; put/get: waiting for the answer
   };
+
+  /// The one place that says how an operation of each kind may move
+  /// between stages (the engine moves one only through `to`, and a debug
+  /// build asserts the move). Any stage may go back to `idle` (completed,
+  /// or taken off a waiting list to be launched again), `idle` may go to
+  /// any stage of the kind's, and a stage may be entered again:
+  ///   send      held, queued, announced -> withdrawing -> sending, announced -> sending
+  ///   recv      posted, awaiting -> placing, placing
+  ///   put, get  held, queued, awaiting -> placing (a get's reply)
+  ///   close     idle only (its frame and the link's end say where it is)
+  static constexpr bool may_move(kind k, stage from, stage to) noexcept {
+    if (to == stage::idle) return true;
+    auto own = [k](stage s) {
+      switch (k) {
+        case kind::send:
+          return s == stage::held || s == stage::queued || s == stage::announced || s == stage::withdrawing ||
+                 s == stage::sending;
+        case kind::recv: return s == stage::posted || s == stage::awaiting || s == stage::placing;
+        case kind::put:
+        case kind::get:
+          return s == stage::held || s == stage::queued || s == stage::awaiting || s == stage::placing;
+        case kind::close: return false;
+      }
+      return false;
+    };
+    if (!own(to)) return false;
+    if (from == stage::idle || from == to) return true;  // (a kept message into Device memory: placing twice)
+    switch (k) {
+      case kind::send:
+        return (from == stage::announced && (to == stage::withdrawing || to == stage::sending)) ||
+               (from == stage::withdrawing && to == stage::sending);
+      case kind::recv:
+      case kind::put:
+      case kind::get: return from == stage::awaiting && to == stage::placing;
+      case kind::close: return false;
+    }
+    return false;
+  }
+  void to(stage s) noexcept {
+#ifndef NDEBUG
+    if (!may_move(kind_, stage_, s))
+      gdr::detail::log("protocol", "an operation of kind %d moved from stage %d to stage %d", static_cast<int>(kind_),
+                       static_cast<int>(stage_), static_cast<int>(s));
+#endif
+    assert(may_move(kind_, stage_, s) && "gdr: an operation moved to a stage its kind does not allow from there");
+    stage_ = s;
+  }
 
   friend class gdr::detail::cancellable<op>;
 

@@ -169,7 +169,7 @@ inline void engine::deliver_early_staged(op& o, early_msg* m) noexcept {
   o.total_ = std::min<std::size_t>(o.msg_size_, o.size_);
   if (o.msg_size_ > o.size_) o.ec_ = errc::truncated;
   o.early_ = m;
-  o.stage_ = op::stage::placing;
+  o.to(op::stage::placing);
   enlist(staging_, o);
   try_deliver_early(o);
 }
@@ -201,7 +201,7 @@ inline void engine::try_deliver_early(op& o) noexcept {
 
 inline bool engine::launch_staged_eager(op& o) noexcept {
   o.proto_ = wire_protocol::eager;
-  o.stage_ = op::stage::queued;
+  o.to(op::stage::queued);
   // Its frame goes out only once its copy is done: the sends after it
   // wait until then, so that messages keep the order they were sent in.
   o.holds_order_ = true;
@@ -223,7 +223,7 @@ inline bool engine::launch_segmented(op& o) noexcept {
   o.id_ = next_id_;
   next_id_ += o.nseg_;
   o.path_ = transfer_path::staged_pinned;
-  o.stage_ = op::stage::awaiting;
+  o.to(op::stage::awaiting);
   enlist(rma_, o);
   pump(o);
   return true;
@@ -396,7 +396,7 @@ inline rx_plan engine::rtr_segmented(op& s, const header& h) noexcept {
   if (s.dev_ < 0 && ensure_pool(tx_, false)) return fail_plan();
   delist(s);
   s.stop_reason_ = {};
-  s.stage_ = op::stage::sending;
+  s.to(op::stage::sending);
   ++rendezvous_out_;
   s.go_ = true;
   s.raddr_ = h.addr;  // the receiver's token

@@ -40,7 +40,7 @@ inline bool engine::begin_out(op& o) noexcept {
     return false;
   }
   if (!got_credit_) {  // the peer's handshake: its hello and first credit
-    o.stage_ = op::stage::held;
+    o.to(op::stage::held);
     enlist(held_, o);
     return true;
   }
@@ -62,7 +62,7 @@ inline bool engine::launch(op& o) noexcept {
       // early messages, an eager one its bytes too; without the bytes it
       // is announced instead, without a slot it waits (in order).
       if ((!send_wait_.empty() && !waiter_turn_) || send_msgs_credit_ == 0 || order_holds_ != 0) {
-        o.stage_ = op::stage::held;
+        o.to(op::stage::held);
         enlist(send_wait_, o);
         return true;
       }
@@ -79,7 +79,7 @@ inline bool engine::launch(op& o) noexcept {
         h.tag = o.tag_;
         f.payload = o.data_;
         mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0);  // GPUDirect: only an empty one
-        o.stage_ = op::stage::queued;
+        o.to(op::stage::queued);
       } else {
         o.proto_ = wire_protocol::rendezvous;
         o.id_ = next_id_++;
@@ -87,7 +87,7 @@ inline bool engine::launch(op& o) noexcept {
         h.size = o.size_;
         h.tag = o.tag_;
         h.id = o.id_;
-        o.stage_ = op::stage::announced;
+        o.to(op::stage::announced);
         enlist(announced_, o);
         if (o.dev_ >= 0) {
           // Copy the first chunks out while the announcement travels.
@@ -105,7 +105,7 @@ inline bool engine::launch(op& o) noexcept {
       if (credits_ == 0) {
         // The peer's reply slots are all spoken for: wait for an answer
         // (the reader never stops for this; see "Credits").
-        o.stage_ = op::stage::held;
+        o.to(op::stage::held);
         enlist(credit_wait_, o);
         return true;
       }
@@ -125,7 +125,7 @@ inline bool engine::launch(op& o) noexcept {
       mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0 || o.remote_nic_);
       // Awaiting its answer from now on: the answer may be parsed before
       // the write's own completion is.
-      o.stage_ = op::stage::awaiting;
+      o.to(op::stage::awaiting);
       enlist(rma_, o);
       break;
     }
@@ -173,7 +173,7 @@ inline void engine::cancel_send(op& o, std::error_code why) noexcept {
       }
       // The peer has (or will have) the rts: ask for it back.
       o.stop_reason_ = why;
-      o.stage_ = op::stage::withdrawing;
+      o.to(op::stage::withdrawing);
       o.f3_.reset(&o);
       o.f3_.hdr.type = msg::rts_cancel;
       o.f3_.hdr.id = o.id_;
@@ -193,7 +193,7 @@ inline rx_plan engine::rx_rtr(const header& h) noexcept {
   // Committed now, whatever a stop asked: a pending rts_cancel is
   // ignored by the peer, which matched the message first.
   s->stop_reason_ = {};
-  s->stage_ = op::stage::sending;
+  s->to(op::stage::sending);
   ++rendezvous_out_;
   frame& f = s->f2_;
   f.reset(s);
@@ -225,14 +225,14 @@ inline rx_plan engine::rx_data(const header& h) noexcept {
       r->issued_ += len;
       if (last) {
         delist(*r);
-        r->stage_ = op::stage::placing;
+        r->to(op::stage::placing);
       }
       return place_in_bounce(*r, *b, off, len, 0);
     }
     r->issued_ += len;
     if (last) {
       delist(*r);
-      r->stage_ = op::stage::placing;
+      r->to(op::stage::placing);
     }
     r->placing_ = true;
     if (off == 0 && last && r->done_ == 0 && r->dev_ < 0) {
