@@ -397,8 +397,8 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
     return {};
   }
 
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
+  // The coroutines of this file are templates: gcc emits every non-template
+  // inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<> connect_to(int p) {
     bool refused = false;
@@ -424,8 +424,6 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
 
   /// One connection to `p` (see the file comment), under a turn. True when
   /// p refused it and its own connection is to come.
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<bool> attempt(int p) {
     // The peer's connection may have been taken while this one waited.
@@ -474,8 +472,6 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
 
   /// After a refusal: waits, bounded by the mesh's timeout, for p's own
   /// connection to become the link.
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<> await_peer(int p) {
     if (closing_ || at(p).state != link_state::connecting) co_return;
@@ -493,8 +489,6 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
                           "own did not arrive within " + std::to_string(t.count()) + " ms (" + why.message() + ")");
   }
 
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<> accept_loop() {
     // No deadline: the loop ends when the mesh stops it.
@@ -517,8 +511,6 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
 
   /// Reads an accepted connection's hello and answers it (see the file
   /// comment for the rule).
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<> answer(endpoint ep) {
     std::array<std::byte, mesh_hello_size + 8> h{};

@@ -225,8 +225,8 @@ struct mesh_build {
 
 /// The step's one timer: at the deadline it fails the step, naming who is
 /// missing; a stop (the step ended) ends it.
-// A template: gcc emits every non-template inline coroutine in each unit
-// that sees it (benchmarks/compile_cost.sh).
+// The coroutines of this file are templates: gcc emits every non-template
+// inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<> watch_deadline(mesh_build& b) {
   auto t = sleep_until(b.deadline);
@@ -285,8 +285,6 @@ task<> connect_higher(mesh_build& b, Net& net) {
 /// Reads the hello of one accepted connection and keeps it as the lower
 /// rank it names, or closes it. A silent connection waits here, holding
 /// nobody up, until the step ends.
-// A template: gcc emits every non-template inline coroutine in each unit
-// that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<> read_mesh_hello(mesh_build& b, endpoint ep) {
   const mesh_table& t = *b.table;
@@ -412,15 +410,11 @@ struct tcp_net {
     return {};
   }
   std::string published() const { return listener->local_address().to_string(); }
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<result<tcp::endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
     auto conn = tcp::connect(*sched, where, detail::timeout_options(t), *opts->registry, opts->endpoint);
     co_return co_await std::move(conn).as_result();
   }
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<result<tcp::endpoint>> accept(std::chrono::milliseconds t) {
     auto acc = listener->accept(detail::timeout_options(t));

@@ -89,8 +89,8 @@ struct mesh_net {
     if (t.count() > 0) co_return co_await with_timeout(t, std::move(op));
     co_return co_await std::move(op);
   }
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
+  // The coroutines of this file are templates: gcc emits every non-template
+  // inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
     return bounded(t, verbs::connect(*sched, where, bracket(host) + ":0", *opts->registry, opts->endpoint));

@@ -71,8 +71,8 @@ inline int set_nonblocking(int fd) noexcept {
 }
 
 /// The next event of channel `ch`.
-// A template: gcc emits every non-template inline coroutine in each unit
-// that sees it (benchmarks/compile_cost.sh).
+// The coroutines of this file are templates: gcc emits every non-template
+// inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<result<cm_event>> next_event(scheduler& s, rdma_event_channel* ch) {
   for (;;) {
@@ -110,8 +110,6 @@ inline std::error_code unexpected_event(const cm_event& e, const char* step) noe
 }
 
 /// Waits for event `want` on `ch`; any other is the set-up's failure.
-// A template: gcc emits every non-template inline coroutine in each unit
-// that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<result<cm_event>> expect(scheduler& s, rdma_event_channel* ch, rdma_cm_event_type want, const char* step) {
   result<cm_event> e = co_await next_event(s, ch);
@@ -157,8 +155,6 @@ namespace detail {
 
 /// `verbs::connect` once its addresses are parsed (by value: the task is
 /// lazy, and the strings they came from may be gone when it starts).
-// A template: gcc emits every non-template inline coroutine in each unit
-// that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<endpoint> connect_parsed(scheduler& s, result<address> dst, result<address> src, memory_registry& registry,
                                      endpoint_options opts) {
@@ -251,8 +247,6 @@ inline task<endpoint> connect_parsed(scheduler& s, result<address> dst, result<a
 /// \code
 ///   gdr::verbs::endpoint ep = co_await gdr::verbs::connect(sched, "10.0.0.2:7471", "10.0.0.1:0");
 /// \endcode
-// A template: gcc emits every non-template inline coroutine in each unit
-// that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_view from,
                               memory_registry& registry = default_registry(), endpoint_options opts = {}) {
@@ -290,8 +284,6 @@ class listener {
   std::uint16_t port() const noexcept { return id_ != nullptr ? ntohs(rdma_get_src_port(id_)) : 0; }
 
   /// The next connection, established. Throws `gdr::error`.
-  // A template: gcc emits every non-template inline coroutine in each unit
-  // that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<endpoint> accept() {
     for (;;) {
