@@ -397,7 +397,7 @@ class lazy_state : public std::enable_shared_from_this<lazy_state> {
     return {};
   }
 
-  // The coroutines of this file are templates: gcc emits every non-template
+  // The coroutines below are templates: gcc emits every non-template
   // inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<> connect_to(int p) {

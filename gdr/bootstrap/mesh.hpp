@@ -225,7 +225,7 @@ struct mesh_build {
 
 /// The step's one timer: at the deadline it fails the step, naming who is
 /// missing; a stop (the step ended) ends it.
-// The coroutines of this file are templates: gcc emits every non-template
+// The coroutines below are templates: gcc emits every non-template
 // inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<> watch_deadline(mesh_build& b) {

@@ -89,7 +89,7 @@ struct mesh_net {
     if (t.count() > 0) co_return co_await with_timeout(t, std::move(op));
     co_return co_await std::move(op);
   }
-  // The coroutines of this file are templates: gcc emits every non-template
+  // The coroutines below are templates: gcc emits every non-template
   // inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
   template <class = void>
   task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {

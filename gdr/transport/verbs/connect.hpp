@@ -71,7 +71,7 @@ inline int set_nonblocking(int fd) noexcept {
 }
 
 /// The next event of channel `ch`.
-// The coroutines of this file are templates: gcc emits every non-template
+// The coroutines below are templates: gcc emits every non-template
 // inline coroutine in each unit that sees it (benchmarks/compile_cost.sh).
 template <class = void>
 inline task<result<cm_event>> next_event(scheduler& s, rdma_event_channel* ch) {
