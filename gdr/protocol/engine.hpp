@@ -154,7 +154,9 @@
 /// reader, the shutdown) is queued and made, in order, at the end of the
 /// outermost event, in `leave()`, before `link_flush()`. Outside every
 /// event (an operation starting from its `await_suspend`) the hooks are
-/// called at once. Debug builds assert it. Which list an operation is on
+/// called at once; so are they from the coroutines the outermost event's
+/// `leave()` resumes, after what the event queued (the transport walks
+/// nothing then). Debug builds assert it. Which list an operation is on
 /// is recorded in the operation (`op::list_`), never inferred from its
 /// stage; taking a node off a list it is not on is an assertion. An
 /// operation's stage changes only through `op::to`, and `op::may_move` is

@@ -23,6 +23,12 @@
 
 namespace gdr::detail::proto {
 
+inline bool engine::spaces_allowed(op& o) noexcept {
+  if (refused_ == 0 && !o.staged() && o.nic_dev_ < 0 && !o.remote_nic_) return true;
+  o.ec_ = staging_check(o);
+  return !o.ec_;
+}
+
 inline std::error_code engine::staging_check(op& o) noexcept {
   const bool staged = o.staged();
   const bool device = staged || o.nic_dev_ >= 0 || o.remote_nic_;
@@ -121,6 +127,7 @@ inline void engine::slot_freed(bool rx) noexcept {
   // often freed from inside the transport's own bookkeeping (on_sent),
   // where posting a frame is not allowed.
   (rx ? kick_rx_ : kick_tx_) = true;
+  deferred_due_ = true;
   if (busy_ == 0) post_resume();
 }
 
@@ -129,13 +136,17 @@ inline void engine::defer_pump(op& o) noexcept {
   try {
     pumps_.push_back(&o);
     o.pump_due_ = true;
+    deferred_due_ = true;
   } catch (...) {
     complete(o, errno_code(ENOMEM));
   }
 }
 
 inline bool engine::run_deferred() noexcept {
-  if (!kick_tx_ && !kick_rx_ && pumps_.empty() && !credit_due_) return false;
+  if (!std::exchange(deferred_due_, false)) {
+    assert(!kick_tx_ && !kick_rx_ && pumps_.empty() && !credit_due_ && "gdr: deferred work without deferred_due_");
+    return false;
+  }
   if (std::exchange(credit_due_, false)) run_credit_waiters();
   if (std::exchange(kick_rx_, false)) kick_waiters(true);
   if (std::exchange(kick_tx_, false)) kick_waiters(false);

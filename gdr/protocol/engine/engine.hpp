@@ -238,6 +238,7 @@ class engine {
 
   /// The transport may be called now.
   bool link_calls_now() const noexcept { return busy_ == 0 || draining_; }
+  void due() noexcept { due_ = true; }
 
   /// Posts `f` now, or at the end of the event.
   void post(frame& f) noexcept;
@@ -262,7 +263,15 @@ class engine {
 
   /// Makes the transport calls the event queued, in order. True if it made
   /// any (what they complete is resumed by leave()).
-  bool drain() noexcept;
+  bool drain() noexcept {
+    if (!due_) {
+      assert(!link_end_due() && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
+             finishes_head_ == nullptr && !resume_due_ && "gdr: engine work queued without due()");
+      return false;
+    }
+    return drain_due();
+  }
+  bool drain_due() noexcept;
 
   static rx_plan consumed() noexcept { return {}; }
   static rx_plan pause_plan() noexcept { return {rx_plan::action::pause, nullptr, 0, 0}; }
@@ -300,6 +309,9 @@ class engine {
   void try_finish(op& o) noexcept;
 
   void finish_now(op& o) noexcept;
+  /// finish_now's end, for an operation none of whose frames, slots or
+  /// copies are out.
+  void finish_unlinked(op& o) noexcept;
 
   /// Takes `o`'s frames back from the transport where it allows. True when
   /// none is left with it.
@@ -465,6 +477,11 @@ class engine {
   /// Whether `o` may start: its rows are not refused, and a staged one has
   /// a copy engine and its bounce buffers.
   std::error_code staging_check(op& o) noexcept;
+  /// The operation's memory spaces are allowed here and what they need
+  /// exists (staging_check); false: `o.ec_` says why. Host memory on an
+  /// endpoint that forces no path needs no check (the common small
+  /// operation: an error code returned through a call costs more than it).
+  bool spaces_allowed(op& o) noexcept;
 
   /// Makes `p`'s slots, and its pinned memory if `mem`.
   std::error_code ensure_pool(stage_pool& p, bool mem) noexcept;
@@ -487,6 +504,7 @@ class engine {
   /// What segment bookkeeping left for the end of the event: waiters for
   /// freed slots, and pumps. True if it did anything.
   bool run_deferred() noexcept;
+  void resume_ready() noexcept;
 
   /// Gets of Device memory served in arrival order as tx bounce buffers
   /// come free, before this side's own operations (they hold the peer's
@@ -622,7 +640,7 @@ class engine {
 
   void credit_back() noexcept {
     ++credits_;
-    if (!credit_wait_.empty() || !credit_pumps_.empty()) credit_due_ = true;
+    if (!credit_wait_.empty() || !credit_pumps_.empty()) credit_due_ = deferred_due_ = true;
   }
 
   /// Spends a credit on the request that bounce buffer `b` will carry.
@@ -743,11 +761,14 @@ class engine {
   std::vector<drop_range> dropped_ranges_;  // cancelled segmented requests' answers to drop
   bool kick_tx_ = false;          // tx slots came free: waiters go on (run_deferred)
   bool kick_rx_ = false;
+  bool deferred_due_ = false;     // one of kick_tx_, kick_rx_, pumps_, credit_due_ is set (run_deferred)
   std::vector<op*> pumps_;        // ops to pump at the end of the event
   // ---- early credits ----
   frame credit_f_{};                   // this side's credit frame (one at a time)
   std::uint64_t owed_bytes_ = 0;       // taken early bytes not yet granted back
   std::uint64_t owed_msgs_ = 0;
+  std::uint64_t grant_bytes_ = 1;      // what is owed before a credit frame goes (a quarter of the budget)
+  std::uint64_t grant_msgs_ = 1;
   std::uint64_t send_bytes_credit_ = 0;  // the peer's early room this side may use
   std::uint64_t send_msgs_credit_ = 0;
   bool got_credit_ = false;            // the peer's first credit (its handshake is done)
@@ -761,6 +782,10 @@ class engine {
   std::vector<op*> credit_pumps_;  // staged puts and gets whose next segment waits for one
   // ---- the transport calls an event queued (drain) ----
   bool draining_ = false;
+  /// Something waits for drain(): a frame in the outbox, a stop, a finish,
+  /// an abort, the reader's resumption or the link's end. Set with each of
+  /// them (`due`), so that drain() costs one test when nothing does.
+  bool due_ = false;
   link_end link_end_ = link_end::open;
   bool abort_due_ = false;
   bool resume_due_ = false;

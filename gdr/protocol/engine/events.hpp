@@ -26,20 +26,36 @@
 namespace gdr::detail::proto {
 
 inline void engine::leave() noexcept {
-  for (;;) {
-    while (op* o = ready_head_) {
-      ready_head_ = o->ready_next_;
-      if (ready_head_ == nullptr) ready_tail_ = nullptr;
-      --attached_;
-      o->waiter_.resume();  // may start ops, or destroy the endpoint
+  if (busy_ != 1) {
+    resume_ready();  // inside an outer event: what they do is queued
+  } else {
+    // The end of the outermost event: the transport walks none of its
+    // lists, so what the event queued is handed over first (drain), and
+    // then what the resumed coroutines do goes to the transport at once,
+    // after it and in order (draining_ makes link calls allowed).
+    for (;;) {
+      drain();
+      if (ready_head_ != nullptr) {
+        draining_ = true;
+        resume_ready();
+        draining_ = false;
+        continue;
+      }
+      if (run_deferred()) continue;
+      if (link_flush()) continue;
+      break;
     }
-    if (busy_ != 1) break;
-    if (drain()) continue;
-    if (run_deferred()) continue;
-    if (link_flush()) continue;
-    break;
   }
   if (--busy_ == 0 && abandoned_ && deletable()) destroy();
+}
+
+inline void engine::resume_ready() noexcept {
+  while (op* o = ready_head_) {
+    ready_head_ = o->ready_next_;
+    if (ready_head_ == nullptr) ready_tail_ = nullptr;
+    --attached_;
+    o->waiter_.resume();  // may start ops, or destroy the endpoint
+  }
 }
 
 inline rx_plan engine::on_header(const header& h) noexcept {
@@ -232,6 +248,7 @@ inline void engine::post(frame& f) noexcept {
   f.out_next = nullptr;
   (outbox_tail_ ? outbox_tail_->out_next : outbox_head_) = &f;
   outbox_tail_ = &f;
+  due();
 }
 
 inline bool engine::withdraw(frame& f) noexcept {
@@ -254,6 +271,7 @@ inline void engine::request_abort() noexcept {
     abort_current();
   } else {
     abort_due_ = true;
+    due();
   }
 }
 
@@ -285,10 +303,8 @@ inline void engine::unlink_due(op& o) noexcept {
   }
 }
 
-inline bool engine::drain() noexcept {
-  if (!link_end_due() && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
-      finishes_head_ == nullptr && !resume_due_)
-    return false;
+inline bool engine::drain_due() noexcept {
+  due_ = false;
   draining_ = true;
   if (link_end_due()) end_link(link_end_ == link_end::close_due);
   while (frame* f = outbox_head_) {

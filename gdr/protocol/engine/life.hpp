@@ -28,6 +28,9 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
                       std::uint64_t caps)
     : sched_(&s), registry_(&reg), opts_(o), stats_(&stats) {
   if (opts_.rendezvous_threshold > opts_.max_message) opts_.rendezvous_threshold = opts_.max_message;
+  // Room is granted back in quarters of the peer's budget (maybe_grant).
+  grant_bytes_ = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
+  grant_msgs_ = std::max<std::uint64_t>(opts_.unexpected_messages / 4, 1);
   std::size_t n = std::max<std::size_t>(opts_.reply_slots, 1);
   slot_limit_ = n;
   spare_slot_.f.slot = &spare_slot_;
@@ -140,6 +143,7 @@ inline void engine::cancel(op& o, std::error_code why) noexcept {
   o.stop_next_ = nullptr;
   (stops_tail_ ? stops_tail_->stop_next_ : stops_head_) = &o;
   stops_tail_ = &o;
+  due();
 }
 
 inline void engine::do_cancel(op& o, std::error_code why) noexcept {
@@ -284,19 +288,22 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
     default: break;
   }
   delist(o);
-  if (o.waiting_) stop_waiting(o);
-  if (o.pump_due_) {
-    std::erase(pumps_, &o);
-    o.pump_due_ = false;
-  }
-  if (o.credit_due_) {
-    std::erase(credit_pumps_, &o);
-    o.credit_due_ = false;
-  }
-  release_order(o);
-  if (o.early_ != nullptr) {
-    delete o.early_;
-    o.early_ = nullptr;
+  // One test for the queues and holdings a small message never has.
+  if (o.waiting_ | o.pump_due_ | o.credit_due_ | o.holds_order_ | (o.early_ != nullptr)) {
+    if (o.waiting_) stop_waiting(o);
+    if (o.pump_due_) {
+      std::erase(pumps_, &o);
+      o.pump_due_ = false;
+    }
+    if (o.credit_due_) {
+      std::erase(credit_pumps_, &o);
+      o.credit_due_ = false;
+    }
+    release_order(o);
+    if (o.early_ != nullptr) {
+      delete o.early_;
+      o.early_ = nullptr;
+    }
   }
   if (o.segmented() && o.kind_ != op::kind::send && o.kind_ != op::kind::recv && o.out_ != 0 && !error_) {
     // Answers to the requests out will be dropped; requests not yet
@@ -317,7 +324,12 @@ inline void engine::try_finish(op& o) noexcept {
   if (!o.result_set_ || o.finished_ || o.placing_) return;
   const bool calls_link = held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_) || o.slots_ != 0 ||
                           o.kind_ == op::kind::close;
-  if (!calls_link || link_calls_now()) {
+  if (!calls_link) {
+    // Nothing of it is with the transport (a small message's usual end).
+    if (o.copies_ == 0) finish_unlinked(o);
+    return;
+  }
+  if (link_calls_now()) {
     finish_now(o);
     return;
   }
@@ -326,6 +338,7 @@ inline void engine::try_finish(op& o) noexcept {
   o.due_next_ = nullptr;
   (finishes_tail_ ? finishes_tail_->due_next_ : finishes_head_) = &o;
   finishes_tail_ = &o;
+  due();
 }
 
 inline void engine::finish_now(op& o) noexcept {
@@ -342,7 +355,11 @@ inline void engine::finish_now(op& o) noexcept {
     close_op_ = nullptr;
     link_release();
   }
-  unlink_due(o);  // it may resume (and its frame end) before the next drain
+  finish_unlinked(o);
+}
+
+inline void engine::finish_unlinked(op& o) noexcept {
+  if (o.stop_due_ || o.finish_due_) unlink_due(o);  // it may resume (and its frame end) before the next drain
   o.finish();
 }
 
@@ -381,6 +398,7 @@ inline void engine::fail(std::error_code ec, bool in_order) noexcept {
     end_link(in_order);
   } else {
     link_end_ = in_order ? link_end::close_due : link_end::abort_due;
+    due();
   }
   while (op* o = held_.head) complete(*o, ec);
   while (op* o = announced_.head) complete(*o, ec);
@@ -438,13 +456,14 @@ inline void engine::end_link(bool in_order) noexcept {
 
 inline void engine::abort_link() noexcept {
   switch (link_end_) {
-    case link_end::close_due: link_end_ = link_end::abort_due; return;
+    case link_end::close_due: link_end_ = link_end::abort_due; due(); return;
     case link_end::ending:
       if (link_calls_now()) {
         link_end_ = link_end::shut;
         link_shutdown();
       } else {
         link_end_ = link_end::abort_due;
+        due();
       }
       return;
     default: return;

@@ -20,11 +20,23 @@ struct stage_slot;
 /// An outgoing frame: the protocol's header and payload, plus the
 /// transport's bookkeeping of it. Lives in an operation or a reply slot.
 struct frame {
-  header hdr{};
-  const std::byte* payload = nullptr;  ///< `hdr.length` bytes
-  op* owner = nullptr;                 ///< the operation it belongs to, or
-  reply_slot* slot = nullptr;          ///< the reply slot it belongs to (or neither: the engine's own)
-  stage_slot* sslot = nullptr;         ///< the staging slot it belongs to (a segment)
+  /// A fresh frame: a zero header, no owner, no transport state.
+  frame() noexcept : hdr{} { clear(); }
+  /// A frame nothing has posted yet and that `reset` makes fresh before
+  /// its first post: only what says it is not posted is set. (An operation
+  /// holds three frames and uses the second and third only on its rarer
+  /// paths; making them fresh cost a small send a tenth of its
+  /// bookkeeping.)
+  struct unposted_t {};
+  explicit frame(unposted_t) noexcept {}
+
+  union {
+    header hdr;  ///< unset in an `unposted` frame until `reset`
+  };
+  const std::byte* payload;  ///< `hdr.length` bytes
+  op* owner;                 ///< the operation it belongs to, or
+  reply_slot* slot;          ///< the reply slot it belongs to (or neither: the engine's own)
+  stage_slot* sslot;         ///< the staging slot it belongs to (a segment)
   /// The engine's outbox (frames posted inside an event, handed to the
   /// transport at its end): the next one, and whether it is there.
   frame* out_next = nullptr;
@@ -34,13 +46,13 @@ struct frame {
   bool after_close = false;
   bool own_answer = false;  ///< an answer allocated for itself, freed once sent
   // ---- the transport's (queue links, progress, its encoding of the header) ----
-  frame* prev = nullptr;
-  frame* next = nullptr;
-  std::size_t written = 0;
-  bool queued = false;     ///< in the transport's queue (posted, no on_sent yet)
-  bool sealed = false;     ///< committed: can no longer be withdrawn
-  bool in_flight = false;  ///< part of a write the kernel is doing now
-  std::uint8_t where = 0;  ///< which of the transport's lists holds it
+  frame* prev;
+  frame* next;
+  std::size_t written;
+  bool queued = false;  ///< in the transport's queue (posted, no on_sent yet)
+  bool sealed;          ///< committed: can no longer be withdrawn
+  bool in_flight;       ///< part of a write the kernel is doing now
+  std::uint8_t where;   ///< which of the transport's lists holds it
   /// Set by the engine: the bytes this frame carries or names (a payload, an
   /// rtr's receive, a request's local memory) may be moved by the NIC only,
   /// never copied by the CPU: `Device` memory on a GPUDirect endpoint, or a
@@ -48,13 +60,12 @@ struct frame {
   /// `device`: the GPU whose memory it is (-1: host memory). A transport
   /// that cannot move them by RDMA fails the connection with
   /// `errc::gpudirect_unavailable` instead of copying.
-  bool nic_only = false;
-  std::int8_t device = -1;
-  std::uint32_t seq = 0;
+  bool nic_only;
+  std::int8_t device;
+  std::uint32_t seq;
   /// The transport's encoding of `hdr` (TCP: the wire header), written when
-  /// the frame is sealed. Deliberately not initialised: an operation holds
-  /// three frames, and zeroing them cost more than the rest of a small
-  /// send's bookkeeping.
+  /// the frame is sealed. Deliberately not initialised, like the fields
+  /// of an unposted frame.
   alignas(8) std::byte encoded[64];
 
   /// Makes the frame a fresh one of `owner` (no transport state, a zero
@@ -62,8 +73,14 @@ struct frame {
   void reset(op* o) noexcept {
     assert(!in_outbox && "gdr: a frame in the engine's outbox was reused");
     hdr = header{};
-    payload = nullptr;
+    clear();
     owner = o;
+  }
+
+ private:
+  void clear() noexcept {
+    payload = nullptr;
+    owner = nullptr;
     slot = nullptr;
     sslot = nullptr;
     prev = next = nullptr;

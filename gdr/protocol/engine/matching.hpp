@@ -31,10 +31,7 @@ inline bool engine::begin_recv(op& o) noexcept {
     o.ec_ = error_ ? error_ : std::error_code(errc::closed);
     return false;
   }
-  if (std::error_code ec = staging_check(o)) {
-    o.ec_ = ec;
-    return false;
-  }
+  if (!spaces_allowed(o)) return false;
   for (early_msg* m = early_.head; m != nullptr; m = m->next) {
     if (m->tag != o.tag_) continue;
     if (!m->rts && refuses_eager(o, m->size)) {
@@ -134,6 +131,7 @@ inline void engine::resume_reading() noexcept {
       link_resume();
     } else {
       resume_due_ = true;
+      due();
     }
   }
 }
@@ -293,14 +291,12 @@ inline void engine::drop_kept_messages() noexcept {
 inline void engine::owe(std::uint64_t bytes) noexcept {
   owed_bytes_ += bytes;
   ++owed_msgs_;
-  maybe_grant();
+  if (owed_bytes_ >= grant_bytes_ || owed_msgs_ >= grant_msgs_) maybe_grant();
 }
 
 inline void engine::maybe_grant() noexcept {
   if (error_ || close_posted_ || held_by_link(credit_f_)) return;
-  const std::uint64_t qb = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
-  const std::uint64_t qm = std::max<std::uint64_t>(opts_.unexpected_messages / 4, 1);
-  if (owed_bytes_ < qb && owed_msgs_ < qm) return;
+  if (owed_bytes_ < grant_bytes_ && owed_msgs_ < grant_msgs_) return;
   credit_f_.reset(nullptr);
   credit_f_.hdr.type = msg::credit;
   credit_f_.hdr.size = std::exchange(owed_bytes_, 0);
@@ -312,13 +308,13 @@ inline void engine::refund(op& o) noexcept {
   if (!std::exchange(o.debited_, false)) return;
   send_bytes_credit_ += o.debit_;
   ++send_msgs_credit_;
-  if (!send_wait_.empty()) credit_due_ = true;
+  if (!send_wait_.empty()) credit_due_ = deferred_due_ = true;
 }
 
 inline void engine::release_order(op& o) noexcept {
   if (!std::exchange(o.holds_order_, false)) return;
   --order_holds_;
-  if (order_holds_ == 0 && !send_wait_.empty()) credit_due_ = true;
+  if (order_holds_ == 0 && !send_wait_.empty()) credit_due_ = deferred_due_ = true;
 }
 
 inline void engine::run_send_waiters() noexcept {

@@ -27,10 +27,7 @@ inline bool engine::begin_out(op& o) noexcept {
     o.ec_ = ec;
     return false;
   }
-  if (std::error_code ec = staging_check(o)) {
-    o.ec_ = ec;
-    return false;
-  }
+  if (!spaces_allowed(o)) return false;
   if (o.kind_ != op::kind::send && o.size_ > o.rsize_) {
     o.ec_ = errc::invalid_argument;  // the local view must fit in the remote one
     return false;
