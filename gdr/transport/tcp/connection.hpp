@@ -124,9 +124,14 @@ class connection final : public proto::engine {
     kick_.run = &on_kick;
     spin_.self = this;
     msg_.msg_iov = iov_;
+    // The hello and the first credit go out in one write: the writer is
+    // held (as if a write were in flight) while both are posted.
+    write_inflight_ = true;
+    start_protocol();
+    write_inflight_ = false;
+    start_write(false);
     // The reader runs from the start: the peer may send requests (put/get)
     // before this side posts anything.
-    start_protocol();
     pump();
   }
 

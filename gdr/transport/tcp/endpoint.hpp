@@ -100,7 +100,7 @@ class endpoint : public basic_endpoint<transport> {
   /// `gdr::error` if the socket options cannot be set, `std::bad_alloc`.
   endpoint(scheduler& sched, socket sock, memory_registry& registry = default_registry(),
            const endpoint_options& opts = {})
-      : basic_endpoint<transport>(make(sched, std::move(sock), registry, opts)) {}
+      : basic_endpoint<transport>(make(sched, std::move(sock), registry, opts, true)) {}
 
   /// What the last protocol error was about (`frame_status::ok` if none).
   frame_status protocol_error_reason() const noexcept {
@@ -110,9 +110,19 @@ class endpoint : public basic_endpoint<transport> {
   int native_handle() const noexcept { return conn() != nullptr ? conn()->fd() : -1; }
 
  private:
+  friend class accept_awaitable;
+
+  /// An accepted socket that carries `opts.socket` from its listener
+  /// already (`listener` sets them on the listening socket): the same
+  /// endpoint without the six `setsockopt` calls.
+  struct options_in_place {};
+  endpoint(options_in_place, scheduler& sched, socket sock, memory_registry& registry, const endpoint_options& opts)
+      : basic_endpoint<transport>(make(sched, std::move(sock), registry, opts, false)) {}
+
   static gdr::detail::proto::engine* make(scheduler& sched, socket sock, memory_registry& registry,
-                                           const endpoint_options& opts) {
-    if (std::error_code ec = sock.apply(opts.socket)) throw gdr::error(ec, "gdr::tcp::endpoint: socket options");
+                                           const endpoint_options& opts, bool apply) {
+    if (apply)
+      if (std::error_code ec = sock.apply(opts.socket)) throw gdr::error(ec, "gdr::tcp::endpoint: socket options");
     std::string who;
     if (path_log_enabled() || opts.protocol.force != force_path::automatic) {
       result<address> peer = sock.remote_address();

@@ -16,6 +16,7 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <string_view>
 #include <utility>
 
@@ -65,6 +66,7 @@ class accept_awaitable : public gdr::detail::tcp::socket_op<accept_awaitable, en
     // From here the descriptor is owned (and closed on any failure below).
     socket sock(res_);
     try {
+      if (options_inherited(sock)) return endpoint(endpoint::options_in_place{}, *sched_, std::move(sock), *registry_, eopts_);
       return endpoint(*sched_, std::move(sock), *registry_, eopts_);
     } catch (const gdr::error& e) {
       return e.code();
@@ -74,6 +76,23 @@ class accept_awaitable : public gdr::detail::tcp::socket_op<accept_awaitable, en
   }
 
  private:
+  /// Whether `sock` carries the listener's socket options already. Linux
+  /// copies them from the listening socket into each accepted one; whether
+  /// this kernel does is checked once per process (`getsockopt` of each on
+  /// the first accepted socket), and the options are set again wherever it
+  /// does not, or where `has` cannot tell (buffer sizes).
+  bool options_inherited(const socket& sock) const noexcept {
+    const socket_options& o = eopts_.socket;
+    if (o.send_buffer > 0 || o.receive_buffer > 0) return false;
+    static std::atomic<int> kernel_copies{-1};  // -1: not checked yet
+    int v = kernel_copies.load(std::memory_order_relaxed);
+    if (v < 0) {
+      v = sock.has(o) ? 1 : 0;
+      kernel_copies.store(v, std::memory_order_relaxed);
+    }
+    return v == 1;
+  }
+
   const socket* listening_;  // the listener's own socket object
   memory_registry* registry_;
   endpoint_options eopts_;
@@ -99,6 +118,9 @@ class listener {
     // A restarted job may rebind its port while old connections linger in
     // TIME_WAIT.
     if (std::error_code ec = sock_.set_int(SOL_SOCKET, SO_REUSEADDR, 1)) throw gdr::error(ec, "gdr::tcp::listener");
+    // Accepted sockets inherit the endpoint's socket options from here
+    // (see accept_awaitable::options_inherited): set once, not per accept.
+    if (std::error_code ec = sock_.apply(eopts_.socket)) throw gdr::error(ec, "gdr::tcp::listener: socket options");
     if (::bind(sock_.native_handle(), at.native(), at.native_size()) != 0)
       throw gdr::error(errno_code(errno), "gdr::tcp::listener: bind " + at.to_string());
     if (::listen(sock_.native_handle(), backlog) != 0) throw gdr::error(errno_code(errno), "gdr::tcp::listener: listen");

@@ -132,6 +132,33 @@ class socket {
     return {};
   }
 
+  /// Whether the options `apply(o)` sets are in place already (an accepted
+  /// socket inherits them from its listener on Linux); `getsockopt` each.
+  /// False when `o` sets buffer sizes (the kernel reports those doubled).
+  bool has(const socket_options& o) const noexcept {
+    if (o.send_buffer > 0 || o.receive_buffer > 0) return false;
+    if (get_int(IPPROTO_TCP, TCP_NODELAY) == 0) return false;
+    if (o.user_timeout.count() > 0) {
+      auto ms = o.user_timeout.count() > 0x7fffffff ? 0x7fffffff : static_cast<int>(o.user_timeout.count());
+      if (get_int(IPPROTO_TCP, TCP_USER_TIMEOUT) != ms) return false;
+    }
+    if (o.keepalive_idle.count() > 0) {
+      if (get_int(SOL_SOCKET, SO_KEEPALIVE) == 0) return false;
+      if (get_int(IPPROTO_TCP, TCP_KEEPIDLE) != static_cast<int>(o.keepalive_idle.count())) return false;
+      if (get_int(IPPROTO_TCP, TCP_KEEPINTVL) != static_cast<int>(o.keepalive_interval.count())) return false;
+      if (get_int(IPPROTO_TCP, TCP_KEEPCNT) != o.keepalive_count) return false;
+    }
+    return true;
+  }
+
+  /// `getsockopt` of an int (-1 if it fails).
+  int get_int(int level, int name) const noexcept {
+    int v = -1;
+    socklen_t len = sizeof v;
+    if (::getsockopt(fd_, level, name, &v, &len) != 0) return -1;
+    return v;
+  }
+
   /// `setsockopt` of an int.
   std::error_code set_int(int level, int name, int value) const noexcept {
     if (::setsockopt(fd_, level, name, &value, sizeof value) != 0) return errno_code(errno);
