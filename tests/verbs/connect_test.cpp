@@ -4,6 +4,7 @@
 // address (GDR_VERBS_IP; the Soft-RoCE guest of .ci/verbs-vm.sh sets it).
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -11,11 +12,13 @@
 #include <string>
 #include <utility>
 
+#include <gdr/coro/cancel.hpp>
 #include <gdr/coro/sync_wait.hpp>
 #include <gdr/coro/task.hpp>
 #include <gdr/coro/when_all.hpp>
 #include <gdr/transport/verbs.hpp>
 
+#include "tests/support/skip.hpp"
 #include "tests/verbs/support.hpp"
 
 using namespace verbs_test;
@@ -68,4 +71,48 @@ TEST_CASE("connect reads its addresses when it is called: the strings may be gon
     CHECK(!failure.empty());
     CHECK(failure.find("address") == std::string::npos);
   }
+}
+
+// A new user found that verbs' connect and accept, unlike TCP's, took no
+// timeout: an accept with nobody connecting waited for ever. Both now take
+// op_options: the timeout ends the wait with timed_out, the stop token
+// with cancelled, and the listener still accepts afterwards.
+TEST_CASE("accept and connect take op_options: a timeout and a stop end their waits, and the listener still works") {
+  if (std::string why = conformance::verbs_skip_reason(); !why.empty()) GDR_SKIP(why);
+  using namespace std::chrono_literals;
+  gdr_test_support::watchdog dog(60);
+  gdr::scheduler sched;
+  const std::string ip = conformance::verbs_ip();
+  gdr::verbs::listener l(sched, ip + ":0");
+  const std::string to = ip + ":" + std::to_string(l.port());
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    // Nobody connects: the accept ends after its timeout.
+    auto t0 = std::chrono::steady_clock::now();
+    std::error_code ec;
+    try {
+      (void)co_await l.accept({200ms});
+    } catch (const gdr::error& e) {
+      ec = e.code();
+    }
+    CHECK(ec == gdr::errc::timed_out);
+    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+    // A stop token ends it too.
+    std::stop_source stop;
+    stop.request_stop();
+    ec = {};
+    try {
+      (void)co_await l.accept({stop.get_token()});
+    } catch (const gdr::error& e) {
+      ec = e.code();
+    }
+    CHECK(gdr::is_cancellation(ec));
+    // The listener still accepts, and a bounded connect that succeeds is an
+    // ordinary endpoint.
+    auto [a, b] = co_await gdr::when_all(l.accept({10s}), gdr::verbs::connect(sched, to, ip + ":0", {10s}));
+    CHECK(a.is_open());
+    CHECK(b.is_open());
+    co_await a.close();
+    co_await b.close();
+  }());
+  sched.drain();
 }

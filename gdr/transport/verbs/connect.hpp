@@ -27,7 +27,9 @@
 #include <string_view>
 #include <utility>
 
+#include <gdr/coro/cancel.hpp>
 #include <gdr/coro/task.hpp>
+#include <gdr/coro/timeout.hpp>
 #include <gdr/error.hpp>
 #include <gdr/log.hpp>
 #include <gdr/memory/registration.hpp>
@@ -235,6 +237,27 @@ inline task<endpoint> connect_parsed(scheduler& s, result<address> dst, result<a
 
 }  // namespace detail
 
+namespace detail {
+
+/// Runs the set-up `t` under `o`, as TCP's connect and accept are: its
+/// stop token as well as the caller's cancels it, and its timeout ends it
+/// with `errc::timed_out` (every step waits on the event channel through
+/// the scheduler's ring, so a stop reaches whichever step is waiting, and
+/// the step cleans up what it made).
+template <class T>
+task<T> bounded(task<T> t, op_options o) {
+  if (o.stop.stop_possible()) {
+    linked_stop_source src(co_await this_stop_token);
+    std::stop_callback relay(o.stop, [&src]() noexcept { src.request_stop(); });
+    if (o.timeout.count() > 0) co_return co_await with_stop_token(src.get_token(), with_timeout(o.timeout, std::move(t)));
+    co_return co_await with_stop_token(src.get_token(), std::move(t));
+  }
+  if (o.timeout.count() > 0) co_return co_await with_timeout(o.timeout, std::move(t));
+  co_return co_await std::move(t);
+}
+
+}  // namespace detail
+
 /// Connects to `to` from the local address `from` (its port 0: any), both
 /// IP addresses of an RDMA device (RoCE: of the device's network
 /// interface). Returns the endpoint once rdma_cm has established the
@@ -251,6 +274,20 @@ template <class = void>
 inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_view from,
                               memory_registry& registry = default_registry(), endpoint_options opts = {}) {
   return detail::connect_parsed(s, address::parse(to), address::parse(from), registry, std::move(opts));
+}
+
+/// The same, bounded by `o` as `tcp::connect` is: `o.timeout` ends it with
+/// `errc::timed_out` (nobody listening answers at once with `ECONNREFUSED`;
+/// a peer that does not answer takes up to rdma_cm's own limits without
+/// one), `o.stop` cancels it (`errc::cancelled`).
+///
+/// \code
+///   auto ep = co_await gdr::verbs::connect(sched, "10.0.0.2:7471", "10.0.0.1:0", {5s});
+/// \endcode
+template <class = void>
+inline task<endpoint> connect(scheduler& s, std::string_view to, std::string_view from, op_options o,
+                              memory_registry& registry = default_registry(), endpoint_options opts = {}) {
+  return detail::bounded(connect(s, to, from, registry, std::move(opts)), std::move(o));
 }
 
 /// Accepts connections on an IP address and port of an RDMA device.
@@ -280,12 +317,19 @@ class listener {
   listener& operator=(listener&&) = delete;
   ~listener() { close(); }
 
-  /// The port it listens on.
+  /// The port it listens on (the one the kernel chose for port 0): what a
+  /// peer passes to `connect` with this side's address.
   std::uint16_t port() const noexcept { return id_ != nullptr ? ntohs(rdma_get_src_port(id_)) : 0; }
 
-  /// The next connection, established. Throws `gdr::error`.
+  /// The next connection, established. Throws `gdr::error`. `o.timeout`
+  /// bounds the wait (`errc::timed_out`), `o.stop` cancels it
+  /// (`errc::cancelled`), as `tcp::listener::accept`'s do; a connection
+  /// request not yet taken when either fires stays for the next accept.
+  task<endpoint> accept(op_options o = {}) { return detail::bounded(accept_one(), std::move(o)); }
+
+ private:
   template <class = void>
-  task<endpoint> accept() {
+  task<endpoint> accept_one() {
     for (;;) {
       result<detail::cm_event> req = co_await detail::next_event(*sched_, ch_);
       if (!req) throw gdr::error(req.error(), "gdr::verbs::listener::accept");
@@ -358,7 +402,6 @@ class listener {
     }
   }
 
- private:
   void close() noexcept {
     if (id_ != nullptr) rdma_destroy_id(std::exchange(id_, nullptr));
     if (ch_ != nullptr) rdma_destroy_event_channel(std::exchange(ch_, nullptr));
