@@ -100,9 +100,31 @@ struct path_plan {
   int usable = 0;
 };
 
+/// A transport's words for what a row does by message size (`path_decision::
+/// sizes`), asked only when `GDR_LOG=path` logs the rows. None by default.
+struct no_size_note {
+  std::string operator()(op_kind, bool /*device*/) const { return {}; }
+};
+
+/// A byte count as the logs write it: "256 KiB", "4 MiB", "32696 B".
+inline std::string size_text(std::uint64_t n) {
+  if (n != 0 && n % (std::uint64_t{1} << 20) == 0) return std::to_string(n >> 20) + " MiB";
+  if (n != 0 && n % 1024 == 0) return std::to_string(n >> 10) + " KiB";
+  return std::to_string(n) + " B";
+}
+
+/// The staged rows' note: chunk and bounce buffers, and where the protocol
+/// switches from eager to rendezvous.
+inline std::string staged_note(const protocol_options& o) {
+  return "chunks of " + size_text(o.staging.chunk) + " through " + std::to_string(o.staging.depth) +
+         " pinned bounce buffers per direction, each copy overlapping the next chunk's transfer; eager up to " +
+         size_text(o.rendezvous_threshold) + " (one chunk at most), rendezvous above";
+}
+
 /// Decides one row at set-up (see `decide_paths`).
-template <class Transport, class Op, class Local, class Remote>
-void decide_row(force_path force, const char* who, path_plan& plan, std::error_code& probe_error) {
+template <class Transport, class Op, class Local, class Remote, class Note = no_size_note>
+void decide_row(force_path force, const char* who, path_plan& plan, std::error_code& probe_error,
+                const Note& note = {}) {
   if constexpr (select_path_v<Transport, Op, Local, Remote> != path_kind::unsupported) {
     constexpr bool device = space_traits<Local>::on_device || space_traits<Remote>::on_device;
     result<path_decision> d = decide_path<Transport, Op, Local, Remote>(force);
@@ -117,7 +139,10 @@ void decide_row(force_path force, const char* who, path_plan& plan, std::error_c
     }
     ++plan.usable;
     d->endpoint = who;
-    log_path_decision(*d);
+    if (path_log_enabled()) {
+      d->sizes = note(Op::kind, device);
+      log_path_decision(*d);
+    }
   }
 }
 
@@ -129,16 +154,16 @@ void decide_row(force_path force, const char* who, path_plan& plan, std::error_c
 /// (`errc::unsupported`, or a probe's error) when a probe says no or when
 /// no row is left: the endpoint is then not made. `who` names the endpoint
 /// in the log.
-template <class Transport>
-result<path_plan> decide_paths(force_path force, const char* who) {
+template <class Transport, class Note = no_size_note>
+result<path_plan> decide_paths(force_path force, const char* who, const Note& note = {}) {
   path_plan plan;
   std::error_code probe_error;
   auto rows = [&]<class S>() {
-    decide_row<Transport, gdr::op::send, S, AnySpace>(force, who, plan, probe_error);
-    decide_row<Transport, gdr::op::recv, S, AnySpace>(force, who, plan, probe_error);
+    decide_row<Transport, gdr::op::send, S, AnySpace>(force, who, plan, probe_error, note);
+    decide_row<Transport, gdr::op::recv, S, AnySpace>(force, who, plan, probe_error, note);
     auto remote = [&]<class R>() {
-      decide_row<Transport, gdr::op::put, S, R>(force, who, plan, probe_error);
-      decide_row<Transport, gdr::op::get, S, R>(force, who, plan, probe_error);
+      decide_row<Transport, gdr::op::put, S, R>(force, who, plan, probe_error, note);
+      decide_row<Transport, gdr::op::get, S, R>(force, who, plan, probe_error, note);
     };
     remote.template operator()<Host>();
     remote.template operator()<Pinned>();

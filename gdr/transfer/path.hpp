@@ -333,6 +333,10 @@ struct path_decision {
   transfer_path path = transfer_path::none;    ///< what `last_path()` will report
   force_path force = force_path::automatic;    ///< the option it was decided under
   const char* endpoint = nullptr;              ///< the endpoint, for the log ("10.0.0.2:4791")
+  /// What happens by message size under this row (eager or rendezvous,
+  /// copied or not), from the endpoint's options; set by the transport for
+  /// the log only (empty: nothing to add).
+  std::string sizes;
 };
 
 /// The probe of a transport with no run-time facts: every probed row fails
@@ -406,6 +410,10 @@ inline std::string to_string(const path_decision& d) {
   if (d.force != force_path::automatic) {
     s += ", forced ";
     s += to_string(d.force);
+  }
+  if (!d.sizes.empty()) {
+    s += "; by size: ";
+    s += d.sizes;
   }
   return s;
 }

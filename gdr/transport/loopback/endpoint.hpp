@@ -389,7 +389,24 @@ using endpoint = basic_endpoint<transport>;
 /// \endcode
 inline std::pair<endpoint, endpoint> make_pair(scheduler& a, scheduler& b, memory_registry& registry = default_registry(),
                                                const options& opts = {}) {
-  auto plan = gdr::detail::proto::decide_paths<transport>(opts.force, "pair");
+  // What each row does by size (GDR_LOG=path): one memcpy from the sender's
+  // buffer into the receiver's view, or into the early store first when the
+  // receive is not posted yet.
+  auto note = [&opts](op_kind k, bool device) -> std::string {
+    using gdr::detail::proto::size_text;
+    if (device) return gdr::detail::proto::staged_note(opts);
+    const std::string t = size_text(opts.rendezvous_threshold);
+    switch (k) {
+      case op_kind::send:
+      case op_kind::recv:
+        return "up to " + t + " eager, above rendezvous; copied once from the sender's buffer into the view "
+               "(host-zero-copy), or first into the early store when it came before its receive (host-eager)";
+      case op_kind::put:
+      case op_kind::get: return "copied once between your buffer and the peer's memory";
+    }
+    return {};
+  };
+  auto plan = gdr::detail::proto::decide_paths<transport>(opts.force, "pair", note);
   if (!plan) throw gdr::error(plan.error(), "gdr::loopback::make_pair: the forced path is not one this transport offers");
   auto st = std::make_shared<gdr::detail::lb::pair_state>();
   auto* ea = new gdr::detail::lb::end(a, registry, opts, st, 0);

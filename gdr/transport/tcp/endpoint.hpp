@@ -112,6 +112,35 @@ class endpoint : public basic_endpoint<transport> {
  private:
   friend class accept_awaitable;
 
+  /// What each row does by message size (`GDR_LOG=path`): every byte a
+  /// socket moves is copied by the kernel; "zero-copy" says gdr adds no
+  /// copy of its own.
+  struct size_note {
+    const endpoint_options* o;
+    std::string operator()(op_kind k, bool device) const {
+      using gdr::detail::proto::size_text;
+      if (device) return gdr::detail::proto::staged_note(o->protocol);
+      const std::string t = size_text(o->protocol.rendezvous_threshold);
+      const std::string d = size_text(o->direct_read_threshold);
+      switch (k) {
+        case op_kind::send:
+          return "up to " + t + " eager (header and your bytes in one write), above rendezvous (rts, rtr, then your "
+                 "bytes): written from your buffer either way (host-zero-copy)";
+        case op_kind::recv:
+          return "from " + d + " read straight into the view (host-zero-copy), below through the connection's buffer "
+                 "and copied (host-eager); a message that came before its receive was kept in the early store and "
+                 "is copied once (host-eager); eager up to the sender's threshold (" + t + " here), rendezvous above";
+        case op_kind::put:
+          return "your bytes written from your buffer after the request; the target reads them straight into its "
+                 "memory from " + d + ", below through its buffer";
+        case op_kind::get:
+          return "the answer read straight into your view from " + d + " (host-zero-copy), below through the "
+                 "connection's buffer (host-eager)";
+      }
+      return {};
+    }
+  };
+
   /// An accepted socket that carries `opts.socket` from its listener
   /// already (`listener` sets them on the listening socket): the same
   /// endpoint without the six `setsockopt` calls.
@@ -128,7 +157,7 @@ class endpoint : public basic_endpoint<transport> {
       result<address> peer = sock.remote_address();
       who = peer ? peer->to_string() : std::string("?");
     }
-    auto plan = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str());
+    auto plan = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str(), size_note{&opts});
     if (!plan) throw gdr::error(plan.error(), "gdr::tcp::endpoint: the forced path is not one this transport offers");
     auto* c = new gdr::detail::tcp::connection(sched, std::move(sock), registry, opts);
     c->set_refused(plan->refused);

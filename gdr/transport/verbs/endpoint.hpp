@@ -143,11 +143,12 @@ class endpoint : public basic_endpoint<transport> {
     using namespace gdr::detail::proto;
     path_plan plan;
     std::error_code probe_error;
+    auto note = [&o](op_kind k, bool) { return size_note(o, k); };
     auto host_rows = [&]<class S>() {
-      decide_row<transport, gdr::op::send, S, AnySpace>(o.protocol.force, who, plan, probe_error);
-      decide_row<transport, gdr::op::recv, S, AnySpace>(o.protocol.force, who, plan, probe_error);
-      decide_row<transport, gdr::op::put, S, S>(o.protocol.force, who, plan, probe_error);
-      decide_row<transport, gdr::op::get, S, S>(o.protocol.force, who, plan, probe_error);
+      decide_row<transport, gdr::op::send, S, AnySpace>(o.protocol.force, who, plan, probe_error, note);
+      decide_row<transport, gdr::op::recv, S, AnySpace>(o.protocol.force, who, plan, probe_error, note);
+      decide_row<transport, gdr::op::put, S, S>(o.protocol.force, who, plan, probe_error, note);
+      decide_row<transport, gdr::op::get, S, S>(o.protocol.force, who, plan, probe_error, note);
     };
     host_rows.template operator()<Host>();
     host_rows.template operator()<Pinned>();
@@ -158,7 +159,13 @@ class endpoint : public basic_endpoint<transport> {
         d.decided = kind;
         d.path = path;
         d.endpoint = who;
-        log_path_decision(d);
+        if (path_log_enabled()) {
+          d.sizes = path == transfer_path::gpudirect_rdma
+                        ? std::string("every size: only the NIC reads and writes the GPU memory (registered with "
+                                      "it), after the stream's work; no bounce buffer, no CPU copy")
+                        : gdr::detail::proto::staged_note(o.protocol);
+          log_path_decision(d);
+        }
         ++plan.usable;
       };
       row.template operator()<gdr::op::send, AnySpace>();
@@ -180,6 +187,35 @@ class endpoint : public basic_endpoint<transport> {
     }
     if (plan.usable == 0) return errc::unsupported;
     return plan.refused;
+  }
+
+  /// What a host row does by message size (`GDR_LOG=path`). The limits use
+  /// this side's `buffer_size`; the connection uses the smaller of both
+  /// sides'.
+  static std::string size_note(const endpoint_options& o, op_kind k) {
+    using gdr::detail::proto::size_text;
+    const std::size_t header = sizeof(gdr::detail::verbs::wire_header);
+    const std::size_t buf = std::max<std::size_t>(o.buffer_size, 1024);
+    const std::string inl = size_text(o.max_inline > header ? o.max_inline - header : 0);
+    const std::string t = size_text(o.protocol.rendezvous_threshold);
+    const std::string one = size_text(buf - header);
+    switch (k) {
+      case op_kind::send:
+        return "up to " + inl + " one inline SEND, up to " + t + " SENDs copied through registered buffers of " +
+               size_text(buf) + " (host-eager), above: the NIC writes from your buffer into the receive's (RDMA "
+               "WRITE, host-zero-copy)";
+      case op_kind::recv:
+        return "up to the sender's threshold (" + t + " here) copied from the receive buffers (host-eager), above: "
+               "written by the peer's NIC straight into the view (host-zero-copy)";
+      case op_kind::put:
+        return "up to " + one + " (buffer_size less the 72-byte header, with the smaller of both sides' buffer_size) "
+               "inside the request SEND (host-eager), above: the target's NIC reads your buffer (RDMA READ, "
+               "host-zero-copy)";
+      case op_kind::get:
+        return "up to " + one + " answered in a SEND (host-eager), above: the target's NIC writes straight into "
+               "your view (RDMA WRITE, host-zero-copy)";
+    }
+    return {};
   }
 
   /// The sentence that goes with `decide`'s error.

@@ -292,6 +292,10 @@ TEST_CASE("a decision prints as one line naming transport, endpoint, operation, 
                                   "forced zero-copy");
   auto get = gdr::decide_path<gdr::loopback::transport, gdr::op::get, Host, Pinned>().value();
   CHECK(gdr::to_string(get) == "gdr path: loopback get Host -> Pinned: zero-copy (host-zero-copy)");
+  // What a transport says of the row by message size follows it.
+  auto sized = get;
+  sized.sizes = "copied once";
+  CHECK(gdr::to_string(sized) == "gdr path: loopback get Host -> Pinned: zero-copy (host-zero-copy); by size: copied once");
 }
 
 TEST_CASE("log_path_decision prints one line to stderr exactly when GDR_LOG asks for paths") {
@@ -316,4 +320,22 @@ TEST_CASE("log_path_decision prints one line to stderr exactly when GDR_LOG asks
   } else {
     ::unsetenv("GDR_LOG");
   }
+}
+
+// A new user read `GDR_LOG=path` as "every Host message is zero-copy", while
+// small messages travel eager and, on verbs, small puts and gets inside a
+// SEND. Each row's line now says what happens by size, from the endpoint's
+// own options: a loopback pair with a 4 KiB threshold says so.
+TEST_CASE("with GDR_LOG=path, an endpoint's rows say what happens by message size under its options") {
+  if (!gdr::path_log_enabled()) {
+    MESSAGE("GDR_LOG does not ask for paths: path_log_test checks this");
+    return;
+  }
+  gdr::scheduler sched;
+  gdr::loopback::options o;
+  o.rendezvous_threshold = 4096;
+  const std::string said = capture_stderr([&] { auto pair = gdr::loopback::make_pair(sched, sched, gdr::default_registry(), o); });
+  CHECK(said.find("gdr path: loopback [pair] send Host -> any: zero-copy (host-zero-copy); by size: up to 4 KiB eager, "
+                  "above rendezvous") != std::string::npos);
+  CHECK(said.find("recv Device -> any: staged (staged-pinned); by size: chunks of 4 MiB") != std::string::npos);
 }
