@@ -4,6 +4,7 @@
 // A tool that is missing or fails gives an empty sample (printed as "n/a").
 #pragma once
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -27,9 +28,12 @@ inline std::string run_capture(const std::string& cmd) {
   return out;
 }
 
-/// ucx_perftest tag_lat (round trip = 2 x its one-way "typical" latency) or
-/// tag_bw (GB/s), over UCX's tcp transport only.
-inline sample ucx(const config& cfg, bool latency, std::size_t size, std::size_t iters) {
+/// ucx_perftest's `test` (tag_lat, tag_bw, ucp_put_lat, ucp_put_bw, ucp_get)
+/// over UCX's tcp transport only: a *_lat test gives a round trip (2 x its
+/// one-way "typical" latency, what gdr's send-and-answer and its put or get,
+/// which completes when the target answered, take), the others GB/s.
+inline sample ucx(const config& cfg, const std::string& test, std::size_t size, std::size_t iters) {
+  const bool latency = test.size() > 4 && test.compare(test.size() - 4, 4, "_lat") == 0;
   sample s;
   if (!have("ucx_perftest")) return s;
   std::uint16_t port = free_port();
@@ -40,7 +44,7 @@ inline sample ucx(const config& cfg, bool latency, std::size_t size, std::size_t
   if (std::system(server.c_str()) != 0) return s;
   std::string client = env + "timeout " + std::to_string(cfg.deadline_s) + " taskset -c " +
                        std::to_string(cfg.client_cpu) + " ucx_perftest 127.0.0.1 -p " + std::to_string(port) +
-                       " -t " + (latency ? "tag_lat" : "tag_bw") + " -s " + std::to_string(size) +
+                       " -t " + test + " -s " + std::to_string(size) +
                        " -n " + std::to_string(iters) + " -w " + std::to_string(cfg.warmup) + " 2>&1";
   std::string out;
   for (int attempt = 0; attempt < 20; ++attempt) {  // the server needs a moment to listen
@@ -59,6 +63,54 @@ inline sample ucx(const config& cfg, bool latency, std::size_t size, std::size_t
     s.add(2.0 * lat50);  // ucx_perftest reports half a round trip
   } else {
     s.add(bw_all * 1e6 / 1e9);  // MB/s (10^6) -> GB/s
+  }
+  return s;
+}
+
+/// A perftest pair (`tool`: ib_send_lat, ib_write_bw, ...) on the RDMA
+/// device whose address is `ip`: the server in the background, the client
+/// retried until it connects. Latency tools give a round trip (ib_send_lat
+/// and ib_write_lat report half of their ping-pong; ib_read_lat a read's
+/// whole round trip), bandwidth tools GB/s. The device and GID index come
+/// from GDR_VERBS_DEV / GDR_VERBS_GID (or the Soft-RoCE guest's RXEVM_DEV /
+/// RXEVM_GID_INDEX); without them perftest picks its defaults.
+inline sample perftest(const config& cfg, const std::string& tool, std::size_t size, std::size_t iters,
+                       const std::string& ip) {
+  sample s;
+  if (!have(tool.c_str())) return s;
+  const bool latency = tool.find("_lat") != std::string::npos;
+  auto env = [](const char* a, const char* b) -> std::string {
+    const char* v = std::getenv(a);
+    if (v == nullptr) v = std::getenv(b);
+    return v != nullptr ? v : "";
+  };
+  std::string dev = env("GDR_VERBS_DEV", "RXEVM_DEV"), gid = env("GDR_VERBS_GID", "RXEVM_GID_INDEX");
+  std::uint16_t port = free_port();
+  std::string args = (dev.empty() ? "" : " -d " + dev) + (gid.empty() ? "" : " -x " + gid) + " -s " +
+                     std::to_string(size) + " -n " + std::to_string(iters) + " -p " + std::to_string(port);
+  std::string t = "timeout " + std::to_string(cfg.deadline_s) + " taskset -c ";
+  std::string server = t + std::to_string(cfg.server_cpu) + " " + tool + args + " >/dev/null 2>&1 &";
+  if (std::system(server.c_str()) != 0) return s;
+  std::string client = t + std::to_string(cfg.client_cpu) + " " + tool + args + " " + ip + " 2>/dev/null";
+  std::string out;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    ::usleep(300000);
+    out = run_capture(client);
+    if (out.find("#bytes") != std::string::npos) break;
+  }
+  // The result line starts with the size: latency "#bytes #iterations t_min[usec] t_max t_typical ...",
+  // bandwidth "#bytes #iterations BW_peak[MB/sec] BW_average ...".
+  std::size_t pos = 0;
+  while ((pos = out.find('\n', pos)) != std::string::npos) {
+    ++pos;
+    unsigned long long b = 0, it = 0;
+    double c1 = 0, c2 = 0, c3 = 0;
+    if (std::sscanf(out.c_str() + pos, " %llu %llu %lf %lf %lf", &b, &it, &c1, &c2, &c3) == 5 && b == size &&
+        std::isfinite(c2) && std::isfinite(c3)) {  // an emulated device's clock can give "inf
+      if (latency) s.add(tool == "ib_read_lat" ? c3 : 2.0 * c3);  // t_typical
+      else s.add(c2 * 1048576.0 / 1e9);                          // BW average, MB (2^20) per second
+      break;
+    }
   }
   return s;
 }

@@ -1,0 +1,365 @@
+// gdr_perf's gdr side for every transport, operation and memory space:
+// latency (one operation at a time: a send answered by the peer's send, or
+// a put or get, which completes when the target has answered) and
+// bandwidth (a window of operations in flight), between two endpoints of
+// the chosen transport, with the path the last operation took.
+//
+//   tcp, verbs   two forked processes, pinned (harness.hpp); verbs needs an
+//                RDMA device and its IP address (--verbs-ip or GDR_VERBS_IP)
+//   loopback     one process, two threads each with its scheduler, pinned
+//
+// Spaces: host (std::vector), pinned (gdr::buffer<Pinned>: cudaHostAlloc, or
+// mlock without CUDA), device[:N] (gdr::buffer<Device> on GPU N: needs a
+// CUDA build and a GPU; the staged path or GPUDirect moves it). For put and
+// get, `peer` is the space of the exposed memory on the other side.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gdr/coro/sync_wait.hpp>
+#include <gdr/coro/task.hpp>
+#include <gdr/coro/when_all.hpp>
+#include <gdr/memory/buffer.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/memory/view.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/loopback.hpp>
+#include <gdr/transport/tcp.hpp>
+#if GDR_HAS_CUDA
+#include <gdr/cuda/event_poller.hpp>
+#endif
+#if GDR_HAS_VERBS
+#include <gdr/transport/verbs.hpp>
+#endif
+
+#include "benchmarks/perf/harness.hpp"
+
+namespace perf::ops {
+
+enum class op { send, put, get };
+enum class space { host, pinned, device };
+
+struct space_arg {
+  space kind = space::host;
+  int gpu = 0;
+};
+
+inline const char* name(op o) { return o == op::send ? "send" : o == op::put ? "put" : "get"; }
+inline const char* name(space s) { return s == space::host ? "host" : s == space::pinned ? "pinned" : "device"; }
+
+/// What one gdr measurement runs.
+struct spec {
+  std::string transport = "tcp";  // tcp, loopback, verbs
+  op operation = op::send;
+  space_arg local{};  // the initiator's (client's) memory
+  space_arg peer{};   // the other side's: its receive buffer, or the exposed memory of a put/get
+  gdr::run_mode mode = gdr::run_mode::busy_poll;
+  std::string verbs_ip;
+};
+
+/// A measurement: microseconds per operation (latency) or GB/s
+/// (bandwidth), and the path of the initiator's last operation.
+struct measured {
+  sample v;
+  std::string path;
+};
+
+/// `n` bytes in space S, as a view.
+template <class S>
+struct bytes {
+  explicit bytes(std::size_t n, int gpu) : b(std::max<std::size_t>(n, 1), gpu) {}
+  gdr::view<std::byte, S> view(std::size_t n) { return b.view().subview(0, n); }
+  gdr::buffer<std::byte, S> b;
+};
+template <>
+struct bytes<gdr::Host> {
+  explicit bytes(std::size_t n, int) : b(std::max<std::size_t>(n, 1), std::byte{1}) {}
+  gdr::view<std::byte, gdr::Host> view(std::size_t n) { return gdr::view<std::byte, gdr::Host>(b.data(), n); }
+  std::vector<std::byte> b;
+};
+
+/// The scheduler's CUDA event poller when a space is Device memory (the
+/// staged path's copy engine).
+struct gpu_side {
+  explicit gpu_side([[maybe_unused]] gdr::scheduler& s, [[maybe_unused]] bool needed) {
+#if GDR_HAS_CUDA
+    if (needed) events.emplace(s);
+#endif
+  }
+#if GDR_HAS_CUDA
+  std::optional<gdr::cuda::event_poller> events;
+#endif
+};
+
+/// Operations in flight for a bandwidth run: enough for 4 MiB, 2 to 64
+/// (GDR_PERF_DEPTH overrides, for experiments).
+inline std::size_t window(std::size_t size) {
+  if (const char* d = std::getenv("GDR_PERF_DEPTH"); d != nullptr && *d != 0)
+    return std::max<std::size_t>(1, std::strtoul(d, nullptr, 10));
+  return std::clamp<std::size_t>((4u << 20) / (size + 1), 2, 64);
+}
+
+/// The passive side: echoes (send, latency), receives and acks (send,
+/// bandwidth), or exposes its memory until the initiator says it is done
+/// (put, get).
+template <class E, class PS>
+gdr::task<> serve(E& ep, const spec& sp, std::size_t size, std::size_t n, bool latency) {
+  bytes<PS> mem(size, sp.peer.gpu);
+  if (sp.operation == op::send) {
+    if (latency) {
+      for (std::size_t i = 0; i < n; ++i) {
+        std::size_t got = co_await ep.recv(mem.view(size));
+        co_await ep.send(mem.view(got));
+      }
+    } else {
+      const std::size_t depth = window(size);
+      auto receiver = [&](std::size_t k) -> gdr::task<> {
+        for (std::size_t i = k; i < n; i += depth) co_await ep.recv(mem.view(size));
+      };
+      std::vector<gdr::task<>> rs;
+      for (std::size_t k = 0; k < depth; ++k) rs.push_back(receiver(k));
+      co_await gdr::when_all(std::move(rs));
+      std::array<std::byte, 1> ack{};
+      co_await ep.send(gdr::host_view(ack));
+    }
+  } else {
+    auto reg = gdr::register_memory(mem.view(std::max<std::size_t>(size, 1)), gdr::access::read_write);
+    auto wire = reg.describe(0).to_wire();
+    co_await ep.send(gdr::host_view(wire));
+    std::array<std::byte, 1> done{};
+    co_await ep.recv(gdr::host_view(done));
+    co_await reg.revoke();
+  }
+  co_await ep.close();
+}
+
+/// The initiator: times `n` operations (after `warmup`), one at a time or
+/// a window of them.
+template <class E, class LS, class PS>
+gdr::task<measured> drive(E& ep, const spec& sp, std::size_t size, std::size_t n, std::size_t warmup, bool latency) {
+  bytes<LS> mem(size, sp.local.gpu);
+  measured m;
+  using remote_t = gdr::remote_view<std::byte, PS>;
+  std::optional<remote_t> remote;
+  if (sp.operation != op::send) {
+    std::array<std::byte, remote_t::wire_size> wire{};
+    co_await ep.recv(gdr::host_view(wire));
+    gdr::result<remote_t> r = remote_t::from_wire(wire);
+    if (!r) throw std::runtime_error("the peer's remote view did not parse");
+    remote = r->subview(0, std::max<std::size_t>(size, 1));
+  }
+  gdr::transfer_path path = gdr::transfer_path::none;  // of the initiator's own operation
+  auto one = [&]() -> gdr::task<> {
+    switch (sp.operation) {
+      case op::send:
+        co_await ep.send(mem.view(size));
+        path = ep.last_path();
+        if (latency) co_await ep.recv(mem.view(size));
+        break;
+      case op::put: co_await ep.put(mem.view(size), remote->subview(0, size)); break;
+      case op::get: co_await ep.get(mem.view(size), remote->subview(0, size)); break;
+    }
+    if (sp.operation != op::send) path = ep.last_path();
+  };
+  if (latency) {
+    for (std::size_t i = 0; i < n + warmup; ++i) {
+      auto t0 = now();
+      co_await one();
+      if (i >= warmup) m.v.add_us(elapsed_us(t0));
+    }
+  } else {
+    for (std::size_t i = 0; i < std::min<std::size_t>(warmup, 8) && sp.operation != op::send; ++i) co_await one();
+    const std::size_t depth = window(size);
+    auto t0 = now();
+    auto worker = [&](std::size_t k) -> gdr::task<> {
+      for (std::size_t i = k; i < n; i += depth) co_await one();
+    };
+    std::vector<gdr::task<>> ws;
+    for (std::size_t k = 0; k < depth; ++k) ws.push_back(worker(k));
+    co_await gdr::when_all(std::move(ws));
+    if (sp.operation == op::send) {
+      std::array<std::byte, 1> ack{};
+      co_await ep.recv(gdr::host_view(ack));  // the receiver has them all
+    }
+    m.v.add(static_cast<double>(size * n) / (elapsed_us(t0) * 1e3));  // GB/s
+  }
+  m.path = gdr::to_string(path);
+  if (sp.operation != op::send) {
+    std::array<std::byte, 1> done{};
+    co_await ep.send(gdr::host_view(done));
+  }
+  co_await ep.close();
+  co_return m;
+}
+
+/// Runs the initiator's side and the passive side with spaces LS and PS.
+template <class LS, class PS>
+measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::size_t n, bool latency) {
+  const bool gpu = std::is_same_v<LS, gdr::Device> || std::is_same_v<PS, gdr::Device>;
+  // A send's latency echoes: the passive side sees every message, warm-up too.
+  const std::size_t passive_n = sp.operation == op::send ? (latency ? n + cfg.warmup : n) : 0;
+  const gdr::scheduler_options so{.mode = sp.mode};
+  if (sp.transport == "loopback") {
+    gdr::scheduler sa(so), sb(so);
+    gpu_side ga(sa, gpu), gb(sb, gpu);
+    auto [a, b] = gdr::loopback::make_pair(sa, sb);
+    measured m;
+    std::thread passive([&, ep = std::move(b)]() mutable {
+      pin(cfg.server_cpu);
+      gdr::sync_wait(sb, serve<gdr::loopback::endpoint, PS>(ep, sp, size, passive_n, latency));
+    });
+    pin(cfg.client_cpu);
+    m = gdr::sync_wait(sa, drive<gdr::loopback::endpoint, LS, PS>(a, sp, size, n, cfg.warmup, latency));
+    passive.join();
+    return m;
+  }
+  // Two processes: the client's sample comes back through the harness's
+  // pipe, the path it took through a pipe of its own.
+  int pp[2];
+  if (::pipe(pp) != 0) die("pipe");
+  std::string ip = sp.verbs_ip;
+  auto server = [&](std::uint16_t port, const std::function<void()>& ready) {
+    ::close(pp[0]);
+    gdr::scheduler sched(so);
+    gpu_side g(sched, gpu);
+    if (sp.transport == "tcp") {
+      gdr::tcp::listener l(sched, "127.0.0.1:" + std::to_string(port));
+      ready();
+      gdr::sync_wait(sched, [&]() -> gdr::task<> {
+        gdr::tcp::endpoint ep = co_await l.accept();
+        co_await serve<gdr::tcp::endpoint, PS>(ep, sp, size, passive_n, latency);
+      }());
+    } else {
+#if GDR_HAS_VERBS
+      gdr::verbs::listener l(sched, ip + ":" + std::to_string(port));
+      ready();
+      gdr::sync_wait(sched, [&]() -> gdr::task<> {
+        gdr::verbs::endpoint ep = co_await l.accept();
+        co_await serve<gdr::verbs::endpoint, PS>(ep, sp, size, passive_n, latency);
+      }());
+#endif
+    }
+  };
+  auto client = [&](std::uint16_t port) -> sample {
+    ::close(pp[0]);
+    gdr::scheduler sched(so);
+    gpu_side g(sched, gpu);
+    measured m;
+    if (sp.transport == "tcp") {
+      m = gdr::sync_wait(sched, [&]() -> gdr::task<measured> {
+        gdr::tcp::endpoint ep = co_await gdr::tcp::connect(sched, "127.0.0.1:" + std::to_string(port));
+        co_return co_await drive<gdr::tcp::endpoint, LS, PS>(ep, sp, size, n, cfg.warmup, latency);
+      }());
+    } else {
+#if GDR_HAS_VERBS
+      m = gdr::sync_wait(sched, [&]() -> gdr::task<measured> {
+        gdr::verbs::endpoint ep =
+            co_await gdr::verbs::connect(sched, ip + ":" + std::to_string(port), ip + ":0", {std::chrono::seconds(10)});
+        co_return co_await drive<gdr::verbs::endpoint, LS, PS>(ep, sp, size, n, cfg.warmup, latency);
+      }());
+#endif
+    }
+    char path[32] = {};
+    std::snprintf(path, sizeof path, "%s", m.path.c_str());
+    if (::write(pp[1], path, sizeof path) != static_cast<ssize_t>(sizeof path)) std::_Exit(3);
+    ::close(pp[1]);
+    return m.v;
+  };
+  measured m;
+  m.v = run_pair_port(cfg, server, client);
+  ::close(pp[1]);
+  char path[32] = {};
+  if (::read(pp[0], path, sizeof path) == static_cast<ssize_t>(sizeof path)) m.path = path;
+  ::close(pp[0]);
+  return m;
+}
+
+/// Why `sp` cannot run in this build or on this machine (empty: it can).
+inline std::string cannot_run(const spec& sp) {
+  if (sp.transport != "tcp" && sp.transport != "loopback" && sp.transport != "verbs") {
+    if (sp.transport == "ipc")
+      return "--transport ipc: CUDA IPC and shared memory within a node are not built yet";
+    return "--transport " + sp.transport + ": not a transport (tcp, loopback, verbs)";
+  }
+  if (sp.transport == "verbs") {
+#if !GDR_HAS_VERBS
+    return "--transport verbs: this gdr_perf was built without verbs (GDR_HAS_VERBS=0)";
+#else
+    if (sp.verbs_ip.empty()) return "--transport verbs needs an RDMA device's IP address: --verbs-ip or GDR_VERBS_IP";
+#endif
+  }
+  for (const space_arg* s : {&sp.local, &sp.peer}) {
+    if (s->kind != space::device) continue;
+#if !GDR_HAS_CUDA
+    return "device memory: this gdr_perf was built without CUDA (GDR_HAS_CUDA=0)";
+#else
+    // Asked in a child: CUDA must not be initialised in this process, whose
+    // children (the two sides) use it after fork.
+    int p[2];
+    if (::pipe(p) != 0) die("pipe");
+    pid_t c = ::fork();
+    if (c < 0) die("fork");
+    if (c == 0) {
+      ::close(p[0]);
+      std::string why;
+      try {
+        gdr::buffer<std::byte, gdr::Device> probe(1, s->gpu);
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      if (!why.empty() && ::write(p[1], why.data(), std::min<std::size_t>(why.size(), 1000)) < 0) std::_Exit(3);
+      std::_Exit(why.empty() ? 0 : 1);
+    }
+    ::close(p[1]);
+    char buf[1000];
+    ssize_t k = ::read(p[0], buf, sizeof buf);
+    ::close(p[0]);
+    int st = 0;
+    ::waitpid(c, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+      return "device memory on GPU " + std::to_string(s->gpu) + ": " +
+             (k > 0 ? std::string(buf, static_cast<std::size_t>(k)) : std::string("the probe failed"));
+#endif
+  }
+  return {};
+}
+
+/// Dispatches on the two spaces. Throws what the run threw.
+inline measured run(const config& cfg, const spec& sp, std::size_t size, std::size_t n, bool latency) {
+  auto with_peer = [&]<class LS>() -> measured {
+    switch (sp.peer.kind) {
+      case space::host: return run_spaces<LS, gdr::Host>(cfg, sp, size, n, latency);
+      case space::pinned: return run_spaces<LS, gdr::Pinned>(cfg, sp, size, n, latency);
+      case space::device:
+#if GDR_HAS_CUDA
+        return run_spaces<LS, gdr::Device>(cfg, sp, size, n, latency);
+#else
+        break;
+#endif
+    }
+    return {};
+  };
+  switch (sp.local.kind) {
+    case space::host: return with_peer.template operator()<gdr::Host>();
+    case space::pinned: return with_peer.template operator()<gdr::Pinned>();
+    case space::device:
+#if GDR_HAS_CUDA
+      return with_peer.template operator()<gdr::Device>();
+#else
+      break;
+#endif
+  }
+  return {};
+}
+
+}  // namespace perf::ops
