@@ -115,6 +115,27 @@ inline sample perftest(const config& cfg, const std::string& tool, std::size_t s
   return s;
 }
 
+/// The MPI ping-pong (benchmarks/perf/mpi_pingpong.cpp, binary `bin`) under
+/// mpirun: rank 0 (the initiator) on the client's CPU, rank 1 on the
+/// server's, with `mca` choosing Open MPI's transport. Fills `lat` (round
+/// trip, us) and `bw` (GB/s); both stay empty if it did not run.
+inline void mpi(const config& cfg, const std::string& bin, const std::string& mca, std::size_t size, std::size_t iters,
+                std::size_t count, sample& lat, sample& bw) {
+  if (!have("mpirun")) return;
+  std::string args = " " + std::to_string(size) + " " + std::to_string(iters) + " " + std::to_string(count) + " " +
+                     std::to_string(cfg.warmup);
+  std::string cmd = "timeout " + std::to_string(cfg.deadline_s) + " mpirun --allow-run-as-root --oversubscribe " +
+                    mca + " -np 1 taskset -c " + std::to_string(cfg.client_cpu) + " " + bin + args +
+                    " : -np 1 taskset -c " + std::to_string(cfg.server_cpu) + " " + bin + args + " 2>/dev/null";
+  std::string out = run_capture(cmd);
+  auto pos = out.find("mpi_pingpong lat_us=");
+  if (pos == std::string::npos) return;
+  double l = 0, g = 0;
+  if (std::sscanf(out.c_str() + pos, "mpi_pingpong lat_us=%lf gbps=%lf", &l, &g) != 2) return;
+  lat.add(l);
+  bw.add(g);
+}
+
 /// iperf3, one stream of `size`-byte writes for `seconds`, GB/s received.
 inline sample iperf3(const config& cfg, std::size_t size, int seconds) {
   sample s;

@@ -19,8 +19,10 @@
 // message), iperf3 (TCP send bandwidth), ucx_perftest (UCX's tcp transport:
 // tag_lat/tag_bw for send, ucp_put_lat/ucp_put_bw for put, ucp_get for get).
 // perftest (verbs: ib_send_*, ib_write_* for put, ib_read_* for get, on the
-// same device). An MPI ping-pong is not in this tool yet; asking for it says
-// so. A peer that does not fit the run, or is not installed, prints n/a.
+// same device), mpi (benchmarks/perf/mpi_pingpong.cpp under mpirun: Open
+// MPI's tcp BTL for --transport tcp, its shared-memory BTL for loopback;
+// the binary beside gdr_perf, or GDR_PERF_MPI). A peer that does not fit
+// the run, or is not installed, prints n/a with the reason.
 //
 // Bandwidth: gdr and the raw stream run --bw-reps times each (default 3),
 // alternating, and the medians are compared: a single stream run of large
@@ -199,6 +201,18 @@ void cell(std::string& line, double v, const char* fmt, int width) {
 
 double med(const perf::sample& s) { return s.empty() ? NAN : s.median(); }
 
+/// The MPI peer's program: GDR_PERF_MPI, else mpi_pingpong beside this
+/// binary (empty: none).
+std::string& self_dir() {
+  static std::string d;
+  return d;
+}
+std::string mpi_binary() {
+  if (const char* e = std::getenv("GDR_PERF_MPI"); e != nullptr && *e != 0) return e;
+  std::string b = self_dir() + "mpi_pingpong";
+  return ::access(b.c_str(), X_OK) == 0 ? b : std::string();
+}
+
 /// A program beside gdr: what it measures for this run, or why it cannot.
 struct peer {
   std::string name;
@@ -230,11 +244,16 @@ std::vector<peer> peers_for(const options& o) {
       if (!verbs_host) p.unfit = "perftest compares the verbs transport with host memory";
       else if (!perf::external::have("ib_send_lat")) p.unfit = "perftest is not installed";
     } else if (n == "mpi") {
-      p.unfit = "an MPI ping-pong beside gdr is not in this tool yet";
+      const bool host = sp.local.kind != space::device && sp.peer.kind != space::device;
+      if (sp.operation != op::send || !host || (sp.transport != "tcp" && sp.transport != "loopback"))
+        p.unfit = "the MPI ping-pong compares sends of host memory over TCP (Open MPI's tcp BTL) or loopback (its "
+                  "shared-memory BTL)";
+      else if (!perf::external::have("mpirun")) p.unfit = "mpirun is not installed";
+      else if (mpi_binary().empty()) p.unfit = "no mpi_pingpong beside gdr_perf (./bazelw build //benchmarks:mpi_pingpong, or GDR_PERF_MPI)";
     } else {
       bad("--vs " + n + ": raw, iperf3, ucx_perftest, perftest, mpi or none");
     }
-    if (p.unfit.empty() && n != "raw" && n != "perftest" && !perf::external::have(n.c_str()))
+    if (p.unfit.empty() && n != "raw" && n != "perftest" && n != "mpi" && !perf::external::have(n.c_str()))
       p.unfit = n + " is not installed";
     out.push_back(p);
   }
@@ -254,6 +273,14 @@ void measure_peer(const options& o, peer& p, std::size_t size) {
     p.bw = med(bws);
   } else if (p.name == "iperf3") {
     p.bw = med(perf::external::iperf3(o.cfg, size, o.quick ? 1 : 2));
+  } else if (p.name == "mpi") {
+    const std::string mca = o.sp.transport == "tcp"
+                                ? "--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo"
+                                : "--mca pml ob1 --mca btl vader,self";
+    perf::sample l, b;
+    perf::external::mpi(o.cfg, mpi_binary(), mca, size, li, bc, l, b);
+    p.lat = med(l);
+    p.bw = med(b);
   } else if (p.name == "perftest") {
     const char* base = o.sp.operation == op::send ? "ib_send" : o.sp.operation == op::put ? "ib_write" : "ib_read";
     p.lat = med(perf::external::perftest(o.cfg, std::string(base) + "_lat", size, std::min<std::size_t>(li, 10000),
@@ -302,6 +329,7 @@ void plot(const options& o, const std::vector<peer>& peers) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (const char* slash = std::strrchr(argv[0], '/')) self_dir().assign(argv[0], static_cast<std::size_t>(slash + 1 - argv[0]));
   options o = parse(argc, argv);
   if (o.fetch_add) bad("--op fetch_add: gdr has no remote atomics yet (one-sided verbs atomics are still to come)");
   if (std::string why = perf::ops::cannot_run(o.sp); !why.empty()) bad(why);
