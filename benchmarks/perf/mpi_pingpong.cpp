@@ -5,6 +5,9 @@
 //
 //   mpi_pingpong SIZE LAT_ITERS BW_COUNT WARMUP
 //   -> "mpi_pingpong lat_us=<median round trip> gbps=<bandwidth>"
+// The C API only: Open MPI's C++ bindings need a library of their own.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <algorithm>

@@ -1,0 +1,42 @@
+#!/bin/bash
+# gdr_perf still runs, from its command line to its CSV: a loopback and a
+# TCP send, a TCP put and get, Pinned memory, a size range; and what it
+# cannot run is refused with the reason and status 2. A few hundred
+# operations each: this checks the tool, it measures nothing.
+set -uo pipefail
+bin=benchmarks/gdr_perf
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+fail=0
+run() {  # name expected-csv-rows args...
+  local name=$1 rows=$2
+  shift 2
+  if ! "$bin" "$@" --iters 50 --bw-reps 1 --vs none --plot "" --csv "$tmp/$name.csv" >"$tmp/$name.out" 2>"$tmp/$name.err"; then
+    echo "FAILED: $name ($*):"; cat "$tmp/$name.out" "$tmp/$name.err"; fail=1; return
+  fi
+  local got
+  got=$(($(wc -l <"$tmp/$name.csv") - 1))
+  if [[ $got -ne $rows ]] || grep -q ',nan,' "$tmp/$name.csv" || ! grep -q 'host-' "$tmp/$name.csv"; then
+    echo "FAILED: $name: $got rows (want $rows), or a row without a measurement or a path:"; cat "$tmp/$name.csv"; fail=1
+    return
+  fi
+  echo "ok: $name"; cat "$tmp/$name.out"
+}
+refused() {  # name expected-message args...
+  local name=$1 want=$2
+  shift 2
+  "$bin" "$@" --csv "$tmp/$name.csv" >"$tmp/$name.out" 2>&1
+  local rc=$?
+  if [[ $rc -ne 2 ]] || ! grep -q -- "$want" "$tmp/$name.out"; then
+    echo "FAILED: $name: status $rc, output:"; cat "$tmp/$name.out"; fail=1; return
+  fi
+  echo "ok: $name refused: $(tail -1 "$tmp/$name.out")"
+}
+run loopback_send 2 --transport loopback --sizes 8,64K
+run tcp_send 3 --sizes 8:32:x2
+run tcp_put 2 --op put --sizes 8,64K
+run tcp_get_pinned 2 --op get --space pinned --peer-space host --sizes 8,64K
+refused ipc "not built yet" --transport ipc
+refused fetch_add "no remote atomics" --op fetch_add
+refused bad_size "not a size" --sizes 8,lots
+refused verbs_no_ip "IP address" --transport verbs --verbs-ip ""
+exit $fail
