@@ -101,10 +101,26 @@ struct path_plan {
 };
 
 /// A transport's words for what a row does by message size (`path_decision::
-/// sizes`), asked only when `GDR_LOG=path` logs the rows. None by default.
-struct no_size_note {
-  std::string operator()(op_kind, bool /*device*/) const { return {}; }
+/// sizes`), asked only when `GDR_LOG=path` logs the rows: a function and
+/// its context, so that the rows' many instantiations share one logging
+/// function (set-up code in every program that makes an endpoint).
+struct size_note {
+  const void* ctx = nullptr;
+  std::string (*fn)(const void*, op_kind, bool device) = nullptr;
+
+  size_note() noexcept = default;
+  /// From any callable `std::string(op_kind, bool)`, which must outlive it.
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, size_note>)
+  size_note(const F& f) noexcept  // NOLINT: implicit by design
+      : ctx(&f), fn([](const void* c, op_kind k, bool d) { return (*static_cast<const F*>(c))(k, d); }) {}
 };
+
+/// Logs row `d` (GDR_LOG=path) with `note`'s words for it.
+[[gnu::cold, gnu::noinline]] inline void log_row(path_decision& d, size_note note, op_kind k, bool device) {
+  if (note.fn != nullptr) d.sizes = note.fn(note.ctx, k, device);
+  log_path_decision(d);
+}
 
 /// A byte count as the logs write it: "256 KiB", "4 MiB", "32696 B".
 inline std::string size_text(std::uint64_t n) {
@@ -122,9 +138,9 @@ inline std::string staged_note(const protocol_options& o) {
 }
 
 /// Decides one row at set-up (see `decide_paths`).
-template <class Transport, class Op, class Local, class Remote, class Note = no_size_note>
+template <class Transport, class Op, class Local, class Remote>
 void decide_row(force_path force, const char* who, path_plan& plan, std::error_code& probe_error,
-                const Note& note = {}) {
+                size_note note = {}) {
   if constexpr (select_path_v<Transport, Op, Local, Remote> != path_kind::unsupported) {
     constexpr bool device = space_traits<Local>::on_device || space_traits<Remote>::on_device;
     result<path_decision> d = decide_path<Transport, Op, Local, Remote>(force);
@@ -139,10 +155,7 @@ void decide_row(force_path force, const char* who, path_plan& plan, std::error_c
     }
     ++plan.usable;
     d->endpoint = who;
-    if (path_log_enabled()) {
-      d->sizes = note(Op::kind, device);
-      log_path_decision(*d);
-    }
+    if (path_log_enabled()) log_row(*d, note, Op::kind, device);
   }
 }
 
@@ -154,8 +167,8 @@ void decide_row(force_path force, const char* who, path_plan& plan, std::error_c
 /// (`errc::unsupported`, or a probe's error) when a probe says no or when
 /// no row is left: the endpoint is then not made. `who` names the endpoint
 /// in the log.
-template <class Transport, class Note = no_size_note>
-result<path_plan> decide_paths(force_path force, const char* who, const Note& note = {}) {
+template <class Transport>
+result<path_plan> decide_paths(force_path force, const char* who, size_note note = {}) {
   path_plan plan;
   std::error_code probe_error;
   auto rows = [&]<class S>() {

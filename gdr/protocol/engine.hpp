@@ -166,6 +166,7 @@
 
 #include <gdr/protocol/engine/engine.hpp>
 #include <gdr/protocol/engine/events.hpp>
+#include <gdr/protocol/engine/event_scope.hpp>
 #include <gdr/protocol/engine/life.hpp>
 #include <gdr/protocol/engine/matching.hpp>
 #include <gdr/protocol/engine/two_sided.hpp>

@@ -101,7 +101,7 @@ class engine {
   /// where the transport may be called.
   void cancel(op& o, std::error_code why) noexcept;
 
-  // Every event runs between enter() and leave(). leave() resumes what
+  // Every event runs between enter() and leave() (an event_scope). leave() resumes what
   // completed, now that the state is consistent, makes the transport calls
   // the event queued (the re-entrancy rule in gdr/protocol/engine.hpp), lets the
   // transport write what the resumed coroutines queued, and frees an

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <gdr/protocol/engine/engine.hpp>
+#include <gdr/protocol/engine/event_scope.hpp>
 
 namespace gdr::detail::proto {
 
@@ -111,10 +112,9 @@ inline std::string engine::describe() const {
 
 inline void engine::abandon() noexcept {
   abandoned_ = true;
-  enter();
+  event_scope ev(*this);  // its end frees this once the transport is quiet
   if (!error_) fail(errc::closed);
   abort_link();  // an orderly end still under way
-  leave();
 }
 
 inline bool engine::begin(op& o) noexcept {
@@ -528,9 +528,8 @@ inline void engine::post_resume() noexcept {
 
 inline void engine::on_resume_node(remote_work* w) noexcept {
   engine* e = static_cast<resume_node*>(w)->self;
-  e->enter();
+  event_scope ev(*e);
   e->resume_posted_ = false;
-  e->leave();
 }
 
 
@@ -578,10 +577,8 @@ inline void op::on_settled() noexcept { eng_->push_ready(*this); }
 
 template <class F>
 inline void op::in_event(F&& f) noexcept {
-  engine* e = eng_;
-  e->enter();
+  event_scope ev(*eng_);  // its end may resume this operation's coroutine, which may end it
   f();
-  e->leave();  // may resume this operation's coroutine, which may end it
 }
 
 inline void op::finish() noexcept {

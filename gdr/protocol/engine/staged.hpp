@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <gdr/protocol/engine/engine.hpp>
+#include <gdr/protocol/engine/event_scope.hpp>
 
 namespace gdr::detail::proto {
 
@@ -45,10 +46,8 @@ inline std::error_code engine::start_copy(stage_slot& b, copy_engine::direction 
 
 inline void engine::on_copy_done(copy_engine::completion* c, std::error_code ec) noexcept {
   auto* b = static_cast<stage_slot*>(c);
-  engine* e = b->eng;
-  e->enter();
-  e->copy_done(*b, ec);
-  e->leave();
+  event_scope ev(*b->eng);
+  b->eng->copy_done(*b, ec);
 }
 
 inline void engine::copy_done(stage_slot& b, std::error_code ec) noexcept {

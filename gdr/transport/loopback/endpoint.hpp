@@ -274,10 +274,9 @@ class end final : public proto::engine {
   /// Takes the peer's frames, in order, and hands them to the engine.
   static void on_rx(remote_work* w) noexcept {
     end* e = static_cast<node*>(w)->self;
-    e->enter();
+    proto::event_scope ev(*e);  // its end may free e
     e->receive();
     e->on_io_done();
-    e->leave();  // may free e
   }
 
   void receive() noexcept {
@@ -328,10 +327,9 @@ class end final : public proto::engine {
   /// Frames back from the peer: their operations may complete.
   static void on_done(remote_work* w) noexcept {
     end* e = static_cast<node*>(w)->self;
-    e->enter();
+    proto::event_scope ev(*e);  // its end may free e
     e->take_back();
     e->on_io_done();
-    e->leave();  // may free e
   }
 
   void take_back() noexcept {

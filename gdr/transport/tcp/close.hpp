@@ -67,7 +67,7 @@ inline void connection::end_watch() noexcept {
 
 inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept {
   connection* c = static_cast<conn_op*>(o)->self;
-  c->enter();
+  proto::event_scope ev(*c);
   c->watch_inflight_ = false;
   c->watch_cancelled_ = false;
   if (c->rx_paused_ && !c->failed() && !c->ending_) {
@@ -81,7 +81,6 @@ inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept 
     if (c->failed()) c->return_dropped();
   }
   c->on_io_done();
-  c->leave();
 }
 
 inline bool connection::unread_ends_with_close() noexcept {
@@ -151,14 +150,13 @@ inline void connection::end_linger() noexcept {
 
 inline void connection::on_linger(operation* o, int, std::uint32_t) noexcept {
   connection* c = static_cast<conn_op*>(o)->self;
-  c->enter();
+  proto::event_scope ev(*c);
   c->linger_inflight_ = false;
   c->linger_cancelled_ = false;
   // Still ending: the peer did not end its stream in time. Both halves
   // down: the read in flight returns 0 and ends it.
   if (c->ending_ && c->sock_.valid()) ::shutdown(c->fd(), SHUT_RDWR);
   c->on_io_done();
-  c->leave();
 }
 
 }  // namespace gdr::detail::tcp

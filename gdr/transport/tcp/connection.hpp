@@ -124,15 +124,21 @@ class connection final : public proto::engine {
     kick_.run = &on_kick;
     spin_.self = this;
     msg_.msg_iov = iov_;
-    // The hello and the first credit go out in one write: the writer is
-    // held (as if a write were in flight) while both are posted.
+    say_hello();
+    // The reader runs from the start: the peer may send requests (put/get)
+    // before this side posts anything.
+    pump();
+  }
+
+  /// The hello and the first credit, in one write: the writer is held (as
+  /// if a write were in flight) while both are posted. Out of line: once
+  /// per connection, and inlining the writer here changed gcc's inlining
+  /// of the per-message path elsewhere (60 instructions per round trip).
+  [[gnu::noinline]] void say_hello() noexcept {
     write_inflight_ = true;
     start_protocol();
     write_inflight_ = false;
     start_write(false);
-    // The reader runs from the start: the peer may send requests (put/get)
-    // before this side posts anything.
-    pump();
   }
 
   int fd() const noexcept { return sock_.native_handle(); }
@@ -298,7 +304,7 @@ class connection final : public proto::engine {
 
   static void on_kick(remote_work* w) noexcept {
     connection* c = static_cast<kick_node*>(w)->self;
-    c->enter();
+    proto::event_scope ev(*c);
     c->kick_posted_ = false;
     c->return_dropped();
     if (!c->failed()) {
@@ -310,7 +316,6 @@ class connection final : public proto::engine {
       c->start_write(true);  // after an SQ-full retry
     }
     c->on_io_done();
-    c->leave();
   }
 
   // ---------------------------------------------------------------- reader

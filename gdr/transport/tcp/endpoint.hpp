@@ -115,7 +115,7 @@ class endpoint : public basic_endpoint<transport> {
   /// What each row does by message size (`GDR_LOG=path`): every byte a
   /// socket moves is copied by the kernel; "zero-copy" says gdr adds no
   /// copy of its own.
-  struct size_note {
+  struct row_sizes {
     const endpoint_options* o;
     std::string operator()(op_kind k, bool device) const {
       using gdr::detail::proto::size_text;
@@ -157,7 +157,7 @@ class endpoint : public basic_endpoint<transport> {
       result<address> peer = sock.remote_address();
       who = peer ? peer->to_string() : std::string("?");
     }
-    auto plan = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str(), size_note{&opts});
+    auto plan = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str(), row_sizes{&opts});
     if (!plan) throw gdr::error(plan.error(), "gdr::tcp::endpoint: the forced path is not one this transport offers");
     auto* c = new gdr::detail::tcp::connection(sched, std::move(sock), registry, opts);
     c->set_refused(plan->refused);

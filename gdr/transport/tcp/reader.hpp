@@ -228,9 +228,10 @@ inline poll_status connection::poll_spin() noexcept {
       // The loop left busy-poll mode: wait through io_uring instead.
       spin_pending_ = false;
       sched().note_done();
-      enter();
-      issue_read();
-      leave();  // may free this
+      {
+        proto::event_scope ev(*this);
+        issue_read();
+      }  // may have freed this
       return {.did_work = true};
     }
     ssize_t r = ::recv(fd(), rd_.dst, rd_.n, MSG_DONTWAIT);
@@ -241,17 +242,17 @@ inline poll_status connection::poll_spin() noexcept {
   spin_pending_ = false;
   spin_cancel_ = false;
   sched().note_done();
-  enter();
-  read_done(res);
-  leave();  // may free this
+  {
+    proto::event_scope ev(*this);
+    read_done(res);
+  }  // may have freed this
   return {.did_work = true};
 }
 
 inline void connection::on_read(operation* o, int res, std::uint32_t) noexcept {
   connection* c = static_cast<conn_op*>(o)->self;
-  c->enter();
+  proto::event_scope ev(*c);
   c->read_done(res);
-  c->leave();
 }
 
 inline void connection::read_done(int res) noexcept {

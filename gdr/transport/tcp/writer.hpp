@@ -184,12 +184,11 @@ inline void connection::on_write(operation* o, int res, std::uint32_t flags) noe
     return;
   }
   if (flags & IORING_CQE_F_NOTIF) res = c->zc_result_;
-  c->enter();
+  proto::event_scope ev(*c);
   c->write_inflight_ = false;
   c->write_blocked_ = false;
   if (c->batch_done(res)) c->start_write(true);
   c->on_io_done();
-  c->leave();
 }
 
 inline bool connection::batch_done(ssize_t res) noexcept {

@@ -156,7 +156,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     credits_.start(peer.rx_depth);
     frag_ = std::min<std::size_t>(buf_, peer.buffer_size);
     established_ = true;
-    enter();
+    proto::event_scope ev(*this);
     if (needs_flush() && !dq_->flush) {
       // Now that rdma_cm has set the connection's address vector up.
       auto f = gdr::verbs::make_flush_qp(dq_->pd, dq_->cq, id_);
@@ -170,7 +170,6 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     start_protocol();
     arm_cm_watch();
     ++activity_;
-    leave();
   }
 
   /// What this side tells the peer.

@@ -23,14 +23,13 @@ namespace gdr::detail::verbs {
 inline void connection::on_tick() noexcept { keepalive_tick(); }
 
 inline void connection::on_qp_event(ibv_event_type type) noexcept {
-  enter();
+  proto::event_scope ev(*this);
   if (!failed()) {
     gdr::detail::log("verbs", "%s: device event %s: the connection fails", peer_name().c_str(),
                      ibv_event_type_str(type));
     on_link_failed(errc::connection_lost);
   }
   on_io_done();
-  leave();
 }
 
 /// Probes the peer if the connection has been idle for the keepalive
@@ -58,9 +57,10 @@ inline void connection::keepalive_tick() noexcept {
   wr.send_flags = IBV_SEND_SIGNALED;
   wr.wr_id = t->wr_id();
   wr.num_sge = 0;
-  enter();
+  // The scope's end cannot free this: the probe is in flight, or the
+  // failure still flushes.
+  proto::event_scope ev(*this);
   if (post_send_wrs(&wr, 1, t)) ++stats_.keepalives;
-  leave();  // cannot free this: the probe is in flight, or the failure still flushes
 }
 
 inline void connection::arm_cm_watch() noexcept {
@@ -75,11 +75,10 @@ inline void connection::arm_cm_watch() noexcept {
 
 inline void connection::on_cm_readable(operation* o, int, std::uint32_t) noexcept {
   connection* c = static_cast<cm_op*>(o)->self;
-  c->enter();
+  proto::event_scope ev(*c);
   c->cm_watch_in_flight_ = false;
   c->cm_events();
   c->on_io_done();
-  c->leave();
 }
 
 inline void connection::cm_events() noexcept {
@@ -145,7 +144,7 @@ inline void connection::kick() noexcept {
 
 inline void connection::on_kick(remote_work* w) noexcept {
   connection* c = static_cast<kick_node*>(w)->self;
-  c->enter();
+  proto::event_scope ev(*c);
   c->kick_posted_ = false;
   while (frame* f = c->dropped_.pop_front()) {
     f->where = nowhere;
@@ -161,7 +160,6 @@ inline void connection::on_kick(remote_work* w) noexcept {
     c->pump_tx();
   }
   c->on_io_done();
-  c->leave();
 }
 
 }  // namespace gdr::detail::verbs

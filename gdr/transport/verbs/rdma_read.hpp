@@ -170,10 +170,9 @@ inline void connection::post_flush() noexcept {
 
 inline void connection::on_flush(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
   connection* c = static_cast<flush_node*>(w)->c;
-  c->enter();
+  proto::event_scope ev(*c);  // its end may free c
   c->flush_done(wc);
   c->on_io_done();
-  c->leave();  // may free c
 }
 
 inline void connection::on_flush_room(gdr::verbs::flush_waiter* w) noexcept {

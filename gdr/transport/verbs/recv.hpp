@@ -53,10 +53,9 @@ inline void connection::repost(std::uint32_t i) noexcept {
 inline void connection::on_rx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
   auto* slot = static_cast<rx_slot*>(w);
   connection* c = slot->c;
-  c->enter();
+  proto::event_scope ev(*c);  // its end may free c
   c->rx_done(*slot, wc);
   c->on_io_done();
-  c->leave();  // may free c
 }
 
 inline void connection::rx_done(rx_slot& slot, const ibv_wc& wc) noexcept {

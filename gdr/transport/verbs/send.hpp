@@ -418,10 +418,9 @@ inline void connection::on_tx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
   if (w == nullptr) return;
   auto* t = static_cast<tx_slot*>(w);
   connection* c = t->c;
-  c->enter();
+  proto::event_scope ev(*c);  // its end may free c
   c->tx_done(*t, wc);
   c->on_io_done();
-  c->leave();  // may free c
 }
 
 inline void connection::tx_done(tx_slot& t, const ibv_wc& wc) noexcept {
