@@ -254,7 +254,7 @@ class op : private gdr::detail::cancellable<op> {
  private:
   op* ready_next_ = nullptr;
   std::coroutine_handle<> waiter_{};
-  frame f1_;                              // eager, rts, put/get request, rtr, close
+  frame f1_;                       // eager, rts, put/get request, rtr, close
   frame f2_{frame::unposted_t{}};  // rendezvous data (reset before its post)
   frame f3_{frame::unposted_t{}};  // rts_cancel (reset before its post)
 

@@ -131,10 +131,8 @@ class connection final : public proto::engine {
   }
 
   /// The hello and the first credit, in one write: the writer is held (as
-  /// if a write were in flight) while both are posted. Out of line: once
-  /// per connection, and inlining the writer here changed gcc's inlining
-  /// of the per-message path elsewhere (60 instructions per round trip).
-  [[gnu::noinline]] void say_hello() noexcept {
+  /// if a write were in flight) while both are posted.
+  void say_hello() noexcept {
     write_inflight_ = true;
     start_protocol();
     write_inflight_ = false;

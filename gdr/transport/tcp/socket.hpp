@@ -113,22 +113,9 @@ class socket {
 
   /// Applies `o` and TCP_NODELAY (see `socket_options`).
   std::error_code apply(const socket_options& o) const noexcept {
-    if (std::error_code ec = set_int(IPPROTO_TCP, TCP_NODELAY, 1)) return ec;
-    if (o.user_timeout.count() > 0) {
-      auto ms = o.user_timeout.count() > 0x7fffffff ? 0x7fffffff : static_cast<int>(o.user_timeout.count());
-      if (std::error_code ec = set_int(IPPROTO_TCP, TCP_USER_TIMEOUT, ms)) return ec;
-    }
-    if (o.keepalive_idle.count() > 0) {
-      if (std::error_code ec = set_int(SOL_SOCKET, SO_KEEPALIVE, 1)) return ec;
-      if (std::error_code ec = set_int(IPPROTO_TCP, TCP_KEEPIDLE, static_cast<int>(o.keepalive_idle.count()))) return ec;
-      if (std::error_code ec = set_int(IPPROTO_TCP, TCP_KEEPINTVL, static_cast<int>(o.keepalive_interval.count())))
-        return ec;
-      if (std::error_code ec = set_int(IPPROTO_TCP, TCP_KEEPCNT, o.keepalive_count)) return ec;
-    }
-    if (o.send_buffer > 0)
-      if (std::error_code ec = set_int(SOL_SOCKET, SO_SNDBUF, o.send_buffer)) return ec;
-    if (o.receive_buffer > 0)
-      if (std::error_code ec = set_int(SOL_SOCKET, SO_RCVBUF, o.receive_buffer)) return ec;
+    option_list l(o);
+    for (std::size_t i = 0; i < l.n; ++i)
+      if (std::error_code ec = set_int(l.v[i].level, l.v[i].name, l.v[i].value)) return ec;
     return {};
   }
 
@@ -137,17 +124,9 @@ class socket {
   /// False when `o` sets buffer sizes (the kernel reports those doubled).
   bool has(const socket_options& o) const noexcept {
     if (o.send_buffer > 0 || o.receive_buffer > 0) return false;
-    if (get_int(IPPROTO_TCP, TCP_NODELAY) == 0) return false;
-    if (o.user_timeout.count() > 0) {
-      auto ms = o.user_timeout.count() > 0x7fffffff ? 0x7fffffff : static_cast<int>(o.user_timeout.count());
-      if (get_int(IPPROTO_TCP, TCP_USER_TIMEOUT) != ms) return false;
-    }
-    if (o.keepalive_idle.count() > 0) {
-      if (get_int(SOL_SOCKET, SO_KEEPALIVE) == 0) return false;
-      if (get_int(IPPROTO_TCP, TCP_KEEPIDLE) != static_cast<int>(o.keepalive_idle.count())) return false;
-      if (get_int(IPPROTO_TCP, TCP_KEEPINTVL) != static_cast<int>(o.keepalive_interval.count())) return false;
-      if (get_int(IPPROTO_TCP, TCP_KEEPCNT) != o.keepalive_count) return false;
-    }
+    option_list l(o);
+    for (std::size_t i = 0; i < l.n; ++i)
+      if (get_int(l.v[i].level, l.v[i].name) != l.v[i].value) return false;
     return true;
   }
 
@@ -182,6 +161,31 @@ class socket {
   }
 
  private:
+  /// The `setsockopt` calls `o` asks for, in order (what `apply` sets and
+  /// `has` checks).
+  struct option_list {
+    struct entry {
+      int level, name, value;
+    };
+    entry v[8];
+    std::size_t n = 0;
+    explicit option_list(const socket_options& o) noexcept {
+      add(IPPROTO_TCP, TCP_NODELAY, 1);
+      if (o.user_timeout.count() > 0)
+        add(IPPROTO_TCP, TCP_USER_TIMEOUT,
+            o.user_timeout.count() > 0x7fffffff ? 0x7fffffff : static_cast<int>(o.user_timeout.count()));
+      if (o.keepalive_idle.count() > 0) {
+        add(SOL_SOCKET, SO_KEEPALIVE, 1);
+        add(IPPROTO_TCP, TCP_KEEPIDLE, static_cast<int>(o.keepalive_idle.count()));
+        add(IPPROTO_TCP, TCP_KEEPINTVL, static_cast<int>(o.keepalive_interval.count()));
+        add(IPPROTO_TCP, TCP_KEEPCNT, o.keepalive_count);
+      }
+      if (o.send_buffer > 0) add(SOL_SOCKET, SO_SNDBUF, o.send_buffer);
+      if (o.receive_buffer > 0) add(SOL_SOCKET, SO_RCVBUF, o.receive_buffer);
+    }
+    void add(int level, int name, int value) noexcept { v[n++] = {level, name, value}; }
+  };
+
   int fd_ = -1;
 };
 

@@ -143,7 +143,7 @@ class endpoint : public basic_endpoint<transport> {
     using namespace gdr::detail::proto;
     path_plan plan;
     std::error_code probe_error;
-    auto note = [&o](op_kind k, bool) { return size_note(o, k); };
+    auto note = [&o](op_kind k, bool device) { return row_sizes(o, k, device); };
     auto host_rows = [&]<class S>() {
       decide_row<transport, gdr::op::send, S, AnySpace>(o.protocol.force, who, plan, probe_error, note);
       decide_row<transport, gdr::op::recv, S, AnySpace>(o.protocol.force, who, plan, probe_error, note);
@@ -159,13 +159,7 @@ class endpoint : public basic_endpoint<transport> {
         d.decided = kind;
         d.path = path;
         d.endpoint = who;
-        if (path_log_enabled()) {
-          d.sizes = path == transfer_path::gpudirect_rdma
-                        ? std::string("every size: only the NIC reads and writes the GPU memory (registered with "
-                                      "it), after the stream's work; no bounce buffer, no CPU copy")
-                        : gdr::detail::proto::staged_note(o.protocol);
-          log_path_decision(d);
-        }
+        if (path_log_enabled()) log_row(d, note, Op::kind, true);
         ++plan.usable;
       };
       row.template operator()<gdr::op::send, AnySpace>();
@@ -189,11 +183,15 @@ class endpoint : public basic_endpoint<transport> {
     return plan.refused;
   }
 
-  /// What a host row does by message size (`GDR_LOG=path`). The limits use
-  /// this side's `buffer_size`; the connection uses the smaller of both
-  /// sides'.
-  static std::string size_note(const endpoint_options& o, op_kind k) {
+  /// What a row does by message size (`GDR_LOG=path`). The host rows'
+  /// limits use this side's `buffer_size`; the connection uses the smaller
+  /// of both sides'. Device rows: GPUDirect (`o.gpudirect`) or staged.
+  static std::string row_sizes(const endpoint_options& o, op_kind k, bool device) {
     using gdr::detail::proto::size_text;
+    if (device)
+      return o.gpudirect ? std::string("every size: only the NIC reads and writes the GPU memory (registered with "
+                                       "it), after the stream's work; no bounce buffer, no CPU copy")
+                         : gdr::detail::proto::staged_note(o.protocol);
     const std::size_t header = sizeof(gdr::detail::verbs::wire_header);
     const std::size_t buf = std::max<std::size_t>(o.buffer_size, 1024);
     const std::string inl = size_text(o.max_inline > header ? o.max_inline - header : 0);
