@@ -48,6 +48,7 @@
 #include <gdr/transport/loopback.hpp>
 #include <gdr/transfer/path.hpp>
 #include <gdr/transport/tcp.hpp>
+#include <gdr/transport/shm.hpp>
 
 // Bootstrap
 #include <gdr/bootstrap/lazy_mesh.hpp>

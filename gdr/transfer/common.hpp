@@ -75,6 +75,7 @@ enum class transfer_path : std::uint8_t {
   staged_pinned,   ///< pipelined through pinned bounce buffers (device memory)
   cuda_ipc,        ///< CUDA IPC, GPU to GPU within a node
   gpudirect_rdma,  ///< NIC DMA to/from GPU memory
+  shared_memory,   ///< copied through a shared-memory ring between processes of one node
 };
 
 /// A printable name for a path ("host-zero-copy", ...).
@@ -86,6 +87,7 @@ constexpr const char* to_string(transfer_path p) noexcept {
     case transfer_path::staged_pinned: return "staged-pinned";
     case transfer_path::cuda_ipc: return "cuda-ipc";
     case transfer_path::gpudirect_rdma: return "gpudirect-rdma";
+    case transfer_path::shared_memory: return "shared-memory";
   }
   return "?";
 }
@@ -102,7 +104,7 @@ struct transfer_stats {
   std::uint64_t bytes_sent = 0;      ///< payload bytes of successful sends and puts
   std::uint64_t bytes_received = 0;  ///< payload bytes of successful receives and gets
   /// Successful operations by the path they took, indexed by `transfer_path`.
-  std::array<std::uint64_t, static_cast<std::size_t>(transfer_path::gpudirect_rdma) + 1> by_path{};
+  std::array<std::uint64_t, static_cast<std::size_t>(transfer_path::shared_memory) + 1> by_path{};
   /// Successful operations that took path `p`.
   std::uint64_t on_path(transfer_path p) const noexcept { return by_path[static_cast<std::size_t>(p)]; }
 };

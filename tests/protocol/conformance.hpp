@@ -29,6 +29,7 @@
 #include <gdr/protocol/endpoint.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transport/loopback.hpp>
+#include <gdr/transport/shm.hpp>
 #include <gdr/transport/tcp.hpp>
 
 #include "tests/support/watchdog.hpp"
@@ -75,6 +76,23 @@ struct tcp_fixture {
   }
 };
 
+/// Shared memory: both ends on one scheduler, in one process (the rings
+/// and the socket are the same as between two).
+struct shm_fixture {
+  using endpoint = gdr::shm::endpoint;
+  static constexpr const char* name = "shm";
+  static constexpr gdr::transfer_path bulk_path = gdr::transfer_path::shared_memory;
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg,
+                                                        gdr::protocol_options a, gdr::protocol_options b) {
+    gdr::shm::endpoint_options ea, eb;
+    ea.protocol = a;
+    eb.protocol = b;
+    gdr::shm::listener l(s, {}, reg, eb);
+    auto [x, y] = co_await gdr::when_all(gdr::shm::connect(s, l.name(), reg, ea), l.accept());
+    co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));
+  }
+};
+
 #ifndef CONFORMANCE_VERBS_GPUDIRECT
 #define CONFORMANCE_VERBS_GPUDIRECT 0
 #endif
@@ -85,8 +103,17 @@ struct tcp_fixture {
 #elif CONFORMANCE_VERBS
 #define CONFORMANCE_TRANSPORTS conformance::verbs_fixture
 #else
-#define CONFORMANCE_TRANSPORTS conformance::loopback_fixture, conformance::tcp_fixture
+#define CONFORMANCE_TRANSPORTS conformance::loopback_fixture, conformance::tcp_fixture, conformance::shm_fixture
 #endif
+
+/// The path of a rendezvous payload placed straight into its receive:
+/// `host_zero_copy` unless the fixture says otherwise (shared memory copies
+/// through its rings).
+template <class Fixture>
+constexpr gdr::transfer_path bulk_path() {
+  if constexpr (requires { Fixture::bulk_path; }) return Fixture::bulk_path;
+  else return gdr::transfer_path::host_zero_copy;
+}
 
 /// The fixture cannot run here (no device): says so once per test case, in
 /// the form .ci/run counts as skipped.

@@ -98,7 +98,10 @@ inline void check_outcome(const plan& p, const run_record& rr, const op_record& 
       bad("report", strf("Device memory, path %s", gdr::to_string(o.rep.path)));
     // (Host memory whose peer side is Device memory may report the staged
     // path: "Device memory on either side", GUIDE section 9.)
-    if (o.kind != op_kind::close && !dev && o.rep.path != gdr::transfer_path::host_zero_copy &&
+    // (Shared memory copies every host payload through its rings.)
+    const bool shm = p.transport == transport_kind::shm || p.transport == transport_kind::shm_kill;
+    const gdr::transfer_path bulk = shm ? gdr::transfer_path::shared_memory : gdr::transfer_path::host_zero_copy;
+    if (o.kind != op_kind::close && !dev && o.rep.path != bulk &&
         o.rep.path != gdr::transfer_path::host_eager && o.rep.path != gdr::transfer_path::staged_pinned)
       bad("report", strf("host memory, path %s", gdr::to_string(o.rep.path)));
   } else if (is(e, gdr::errc::cancelled)) {

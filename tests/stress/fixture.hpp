@@ -15,7 +15,9 @@
 #include <gdr/coro/task.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/coro/when_all.hpp>
 #include <gdr/transport/loopback.hpp>
+#include <gdr/transport/shm.hpp>
 #include <gdr/transport/tcp.hpp>
 
 #include "tests/stress/plan.hpp"
@@ -41,6 +43,17 @@ inline gdr::tcp::endpoint_options tcp_options(const plan& p, int s) {
   return o;
 }
 
+/// The shared-memory options of side `s` of plan `p`: rings of 64 KiB to
+/// 1 MiB (16 times the plan's TCP staging buffer, so that existing seeds
+/// draw the same plans), small enough that large messages wrap and wait
+/// for room.
+inline gdr::shm::endpoint_options shm_options(const plan& p, int s) {
+  gdr::shm::endpoint_options o;
+  o.protocol = p.side[s].opts;
+  o.ring_bytes = 16 * p.side[s].rx_buffer;
+  return o;
+}
+
 /// Loopback: both ends on one scheduler, one option set (side 0's: the plan
 /// gives both sides the same).
 struct loopback_fixture {
@@ -63,6 +76,19 @@ struct tcp_fixture {
     auto acc = l.accept();
     endpoint x = co_await gdr::tcp::connect(s, l.local_address(), {}, reg, oa);
     endpoint y = co_await std::move(acc);
+    co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));
+  }
+};
+
+/// Shared memory: both ends on one scheduler in one process (side 0
+/// connects, side 1 is accepted).
+struct shm_fixture {
+  using endpoint = gdr::shm::endpoint;
+  static constexpr transport_kind kind = transport_kind::shm;
+  static std::string skip_reason() { return {}; }
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg, const plan& p) {
+    gdr::shm::listener l(s, {}, reg, shm_options(p, 1));
+    auto [x, y] = co_await gdr::when_all(gdr::shm::connect(s, l.name(), reg, shm_options(p, 0)), l.accept());
     co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));
   }
 };

@@ -1,5 +1,5 @@
-// The forked TCP variant ("tcp-kill"): the two sides of a plan run in two
-// processes, and the survivor SIGKILLs its peer at a moment the seed
+// The forked variants ("tcp-kill", "shm-kill"): the two sides of a plan run
+// in two processes over TCP or shared memory, and the survivor SIGKILLs its peer at a moment the seed
 // chooses. The survivor checks its own side: every operation pending at the
 // kill ends within a bound with an allowed outcome (connection_lost, or
 // what was already decided), every message it received is one the peer's
@@ -17,6 +17,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -24,14 +26,57 @@
 #include <gdr/coro/scope.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/sched/timer.hpp>
+#include <gdr/transport/shm.hpp>
 #include <gdr/transport/tcp.hpp>
 
+#include "tests/stress/fixture.hpp"
 #include "tests/stress/run.hpp"
 
 namespace stress {
 
+/// How the two processes of a forked run meet: the survivor listens and
+/// tells the peer a name through a pipe; the peer connects.
+struct tcp_net {
+  using endpoint = gdr::tcp::endpoint;
+  using listener = gdr::tcp::listener;
+  static constexpr transport_kind kind = transport_kind::tcp_kill;
+  static listener listen(gdr::scheduler& s, gdr::memory_registry& reg, const plan& p, int me) {
+    return listener(s, gdr::tcp::address::loopback(0), reg, tcp_options(p, me));
+  }
+  static std::string name(const listener& l) { return std::to_string(l.local_address().port()); }
+  static gdr::task<gdr::result<endpoint>> accept(listener& l) {
+    co_return co_await l.accept(std::chrono::seconds(10)).as_result();
+  }
+  static gdr::task<endpoint> connect(gdr::scheduler& s, const std::string& name, gdr::memory_registry& reg,
+                                     const plan& p, int me) {
+    const auto port = static_cast<std::uint16_t>(std::stoul(name));
+    co_return co_await gdr::tcp::connect(s, gdr::tcp::address::loopback(port), {}, reg, tcp_options(p, me));
+  }
+};
+struct shm_net {
+  using endpoint = gdr::shm::endpoint;
+  using listener = gdr::shm::listener;
+  static constexpr transport_kind kind = transport_kind::shm_kill;
+  static listener listen(gdr::scheduler& s, gdr::memory_registry& reg, const plan& p, int me) {
+    return listener(s, {}, reg, shm_options(p, me));
+  }
+  static std::string name(const listener& l) { return l.name(); }
+  static gdr::task<gdr::result<endpoint>> accept(listener& l) {
+    try {
+      co_return co_await l.accept(std::chrono::seconds(10));
+    } catch (const gdr::error& e) {
+      co_return e.code();
+    }
+  }
+  static gdr::task<endpoint> connect(gdr::scheduler& s, const std::string& name, gdr::memory_registry& reg,
+                                     const plan& p, int me) {
+    co_return co_await gdr::shm::connect(s, name, reg, shm_options(p, me));
+  }
+};
+
 /// The peer process: runs its side until the end, then waits to be killed.
-[[noreturn]] inline void run_peer(const run_config& c, const plan& p, int read_fd) {
+template <class Net>
+[[noreturn]] void run_peer(const run_config& c, const plan& p, int read_fd) {
   const int me = 1 - p.survivor;
   // Dies with the survivor (a crash there must not leave this one holding
   // the runner's pipe), and says nothing unless the run logs.
@@ -44,8 +89,8 @@ namespace stress {
     ::dup2(null, 2);
     ::close(null);
   }
-  std::uint16_t port = 0;
-  if (::read(read_fd, &port, sizeof port) != sizeof port) ::_exit(2);
+  char name[128] = {};
+  if (::read(read_fd, name, sizeof name) != sizeof name) ::_exit(2);
   ::close(read_fd);
   ::alarm(static_cast<unsigned>(c.bound.count() / 1000 + 10));
   {
@@ -55,12 +100,11 @@ namespace stress {
     gdr::memory_registry reg;
     gdr::scheduler sched({.mode = c.mode});
     guarded_copy_engine ce(sched, mem, j, hash_of({c.seed, 0x70656572}), p.copy_delay);
-    session<gdr::tcp::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.limits());
+    session<typename Net::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.limits());
     ss.on_hang = [] { ::_exit(3); };
     try {
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
-        ss.side(me).ep = co_await gdr::tcp::connect(sched, gdr::tcp::address::loopback(port), {}, reg,
-                                                     tcp_options(p, me));
+        ss.side(me).ep = co_await Net::connect(sched, name, reg, p, me);
         if (!co_await ss.setup()) ss.skip_traffic();
         co_await ss.traffic();
       }());
@@ -71,9 +115,11 @@ namespace stress {
   for (;;) ::pause();  // until the survivor's SIGKILL
 }
 
-/// Runs `c` (transport tcp-kill) as the survivor (see the file comment).
-inline std::vector<failure> run_kill(const run_config& c) {
-  const plan p = make_plan(c.seed, transport_kind::tcp_kill, c.scale);
+/// Runs `c` (transport tcp-kill or shm-kill) as the survivor (see the file
+/// comment).
+template <class Net>
+std::vector<failure> run_kill(const run_config& c) {
+  const plan p = make_plan(c.seed, Net::kind, c.scale);
   const int me = p.survivor, peer = 1 - me;
   journal j(c.log);
   log_plan(p, j);
@@ -93,7 +139,7 @@ inline std::vector<failure> run_kill(const run_config& c) {
   }
   if (pid == 0) {
     ::close(pfd[1]);
-    run_peer(c, p, pfd[0]);
+    run_peer<Net>(c, p, pfd[0]);
   }
   ::close(pfd[0]);
   arm_alarm(c.bound);
@@ -107,7 +153,7 @@ inline std::vector<failure> run_kill(const run_config& c) {
     {
       gdr::scheduler sched({.mode = c.mode});
       guarded_copy_engine ce(sched, mem, j, hash_of({c.seed, 0x6365}), p.copy_delay);
-      session<gdr::tcp::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.limits());
+      session<typename Net::endpoint> ss(p, j, rr, mem, reg, 1u << me, c.limits());
       ss.on_hang = [&] {
         ::kill(pid, SIGKILL);
         print_failures(c, j.failures());
@@ -138,11 +184,13 @@ inline std::vector<failure> run_kill(const run_config& c) {
         ss.notify();
       };
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
-        gdr::tcp::listener l(sched, gdr::tcp::address::loopback(0), reg, tcp_options(p, me));
-        const std::uint16_t port = l.local_address().port();
-        if (::write(pfd[1], &port, sizeof port) != sizeof port) j.fail("setup", "could not tell the peer the port");
+        typename Net::listener l = Net::listen(sched, reg, p, me);
+        char name[128] = {};
+        const std::string n = Net::name(l);
+        std::memcpy(name, n.data(), std::min(n.size(), sizeof name - 1));
+        if (::write(pfd[1], name, sizeof name) != sizeof name) j.fail("setup", "could not tell the peer the name");
         ::close(pfd[1]);
-        auto acc = co_await l.accept(std::chrono::seconds(10)).as_result();
+        auto acc = co_await Net::accept(l);
         if (!acc) {
           j.fail("setup", strf("the peer did not connect: %s", acc.error().message().c_str()));
           ss.skip_traffic();

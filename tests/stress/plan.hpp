@@ -25,13 +25,15 @@ namespace stress {
 
 using namespace std::chrono_literals;
 
-enum class transport_kind : std::uint8_t { loopback, tcp, tcp_kill, verbs };
+enum class transport_kind : std::uint8_t { loopback, tcp, tcp_kill, verbs, shm, shm_kill };
 inline const char* to_string(transport_kind t) noexcept {
   switch (t) {
     case transport_kind::loopback: return "loopback";
     case transport_kind::tcp: return "tcp";
     case transport_kind::tcp_kill: return "tcp-kill";
     case transport_kind::verbs: return "verbs";
+    case transport_kind::shm: return "shm";
+    case transport_kind::shm_kill: return "shm-kill";
   }
   return "?";
 }
@@ -120,7 +122,7 @@ struct plan {
   /// The end of a run with both sides still open: 0 both close at once, 1
   /// side 0 first, 2 side 1 first.
   unsigned close_order = 0;
-  /// tcp-kill: the side that survives, and when the other is killed.
+  /// tcp-kill, shm-kill: the side that survives, and when the other is killed.
   std::uint8_t survivor = 0;
   trigger kill_when{};
 };

@@ -236,6 +236,8 @@ inline void warm_up() {
     (void)run_in_process<loopback_fixture>(c, quiet_plan(c.transport));
     c.transport = transport_kind::tcp;
     (void)run_in_process<tcp_fixture>(c, quiet_plan(c.transport));
+    c.transport = transport_kind::shm;
+    (void)run_in_process<shm_fixture>(c, quiet_plan(c.transport));
   }
 }
 

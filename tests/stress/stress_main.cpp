@@ -9,7 +9,7 @@
 //   stress --time SECONDS [--seeds A:] ...
 //       consecutive seeds from A (default 1) until the time is up.
 //
-// T: loopback | tcp | tcp-kill | all (loopback, tcp and tcp-kill; verbs in
+// T: loopback | tcp | tcp-kill | shm | shm-kill | all (those five; verbs in
 // a build with STRESS_VERBS=1). M: busy | sleep | all. Exit status 0 when
 // every run passed.
 #include <chrono>
@@ -30,7 +30,7 @@ using namespace stress;
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "stress: %s\nusage: stress (--seed S | --seeds A:B | --time SECONDS [--seeds A:]) "
-               "[--transport loopback|tcp|tcp-kill|all] [--mode busy|sleep|all] [--jobs J] [--log] [-v]\n",
+               "[--transport loopback|tcp|tcp-kill|shm|shm-kill|all] [--mode busy|sleep|all] [--jobs J] [--log] [-v]\n",
                why);
   std::exit(2);
 }
@@ -40,8 +40,11 @@ std::vector<transport_kind> transports_of(const std::string& s) {
   if (s == "tcp") return {transport_kind::tcp};
   if (s == "tcp-kill") return {transport_kind::tcp_kill};
   if (s == "verbs") return {transport_kind::verbs};
+  if (s == "shm") return {transport_kind::shm};
+  if (s == "shm-kill") return {transport_kind::shm_kill};
   if (s == "all") {
-    std::vector<transport_kind> v{transport_kind::loopback, transport_kind::tcp, transport_kind::tcp_kill};
+    std::vector<transport_kind> v{transport_kind::loopback, transport_kind::tcp, transport_kind::tcp_kill,
+                                  transport_kind::shm, transport_kind::shm_kill};
     if (STRESS_VERBS) v.push_back(transport_kind::verbs);
     return v;
   }

@@ -71,6 +71,10 @@ TEST_CASE("seeded random traffic over TCP holds every rule, in both run modes") 
   run_seeds({transport_kind::tcp});
 }
 
+TEST_CASE("seeded random traffic over shared memory holds every rule, in both run modes") {
+  run_seeds({transport_kind::shm});
+}
+
 // Seeds a long run found failing, each fixed since; they run on the default
 // plan sizes (under sanitizers the same seed draws a smaller plan, which may
 // not reach the same moment).
@@ -98,4 +102,8 @@ TEST_CASE("seeds the long runs found hold over TCP: a request's credit before it
 
 TEST_CASE("a TCP peer process SIGKILLed at a random moment fails the survivor's operations in bounded time") {
   run_seeds({transport_kind::tcp_kill});
+}
+
+TEST_CASE("a shared-memory peer process SIGKILLed at a random moment fails the survivor's operations in bounded time") {
+  run_seeds({transport_kind::shm_kill});
 }

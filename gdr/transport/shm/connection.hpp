@@ -1,0 +1,330 @@
+/// \file
+/// The shared-memory transport behind `shm::endpoint`: two processes of one
+/// node, each writing frames into a ring the other maps (ring.hpp), a Unix
+/// socket between them whose hang-up is the peer's end, and a bell (an
+/// eventfd) per side to wake a sleeping scheduler. It moves the protocol
+/// layer's frames (`gdr/protocol/engine.hpp`) and nothing else: matching,
+/// rendezvous, cancellation and failure rules live there. Its members are
+/// defined in io.hpp beside it.
+///
+/// How it works
+/// ============
+/// A `connection` lives on the heap and belongs to one scheduler; everything
+/// runs on that scheduler's thread.
+///
+/// Writer. The engine posts frames (a header and a pointer to the payload)
+/// into one FIFO. The writer copies each frame, the TCP transport's 64-byte
+/// wire header (gdr/transport/tcp/frame.hpp) and then its payload, into the
+/// ring as far as there is room, publishing the ring's head after each
+/// piece, so that the reader copies a large payload out while the rest is
+/// still being copied in. A frame is *sealed* (numbered, committed) when its
+/// first byte enters the ring; it is done (`on_sent`) when its last byte is
+/// in. Frames posted inside an event handler are written at its end
+/// (`link_flush`); frames posted from outside one (a coroutine's first
+/// `co_await`) are copied at once and completed from the loop, since an
+/// operation must not complete before it has suspended. A writer short of
+/// room waits for the reader to give it back (the loop polls the ring; a
+/// sleeping writer sets its flag and the reader rings its bell).
+///
+/// Reader. The connection is one of its scheduler's pollers: each loop
+/// iteration it looks at the peer's ring, and copies what arrived: a header
+/// goes to the engine (`on_header`), which says where its payload goes, and
+/// the payload is copied from the ring into it. While the engine pauses the
+/// reader (back-pressure), nothing is consumed, and the writer is held back
+/// by the ring filling up. A scheduler that sleeps arms its bell read (an
+/// io_uring read of its eventfd) and sets its waiting flag in the ring first
+/// (the flag protocol in ring.hpp).
+///
+/// Liveness. The Unix socket carries nothing after the handshake. The
+/// connection keeps a poll for its hang-up in flight: the peer's process
+/// ending (killed or not) closes its socket, and the kernel reports it at
+/// once. What the peer wrote before it ended is still read (the mapping
+/// stays); if that does not end with its close frame, every pending
+/// operation fails with `errc::connection_lost`.
+///
+/// Orderly end: after the close frames, each side shuts its socket for
+/// writing and reads (and drops) what the peer still writes until the
+/// peer's hang-up, bounded by `endpoint_options::close_linger`.
+#pragma once
+
+#include <liburing.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include <gdr/error.hpp>
+#include <gdr/memory/registration.hpp>
+#include <gdr/protocol/engine.hpp>
+#include <gdr/sched/operation.hpp>
+#include <gdr/sched/poller.hpp>
+#include <gdr/sched/scheduler.hpp>
+#include <gdr/transfer/common.hpp>
+#include <gdr/transport/shm/options.hpp>
+#include <gdr/transport/shm/ring.hpp>
+#include <gdr/transport/tcp/frame.hpp>
+
+namespace gdr {
+
+namespace detail::shm {
+
+using gdr::shm::endpoint_options;
+using gdr::shm::endpoint_stats;
+using gdr::shm::fd_handle;
+using proto::frame;
+namespace wire = gdr::tcp::wire;
+
+/// What the handshake hands a connection: the socket, both rings mapped,
+/// this side's bell and the peer's.
+struct link_parts {
+  fd_handle sock;
+  mapping tx_segment;  ///< the ring this side writes (its own memfd)
+  mapping rx_segment;  ///< the ring the peer writes
+  fd_handle bell;       ///< this side's eventfd (read while sleeping)
+  fd_handle peer_bell;  ///< the peer's (written to wake it)
+  int peer_pid = 0;
+};
+
+/// One shared-memory link: the transport under a protocol engine. See the
+/// file comment.
+class connection final : public proto::engine {
+ public:
+  /// Bytes of a large payload copied into the ring between two publishes
+  /// of its head (the reader starts copying out meanwhile).
+  static constexpr std::size_t piece = 64 * 1024;
+
+  /// Takes over the handshake's parts, says hello and starts reading. Call
+  /// on `s`'s thread, or before `s` runs. Throws `std::bad_alloc`.
+  connection(scheduler& s, link_parts p, memory_registry& reg, const endpoint_options& o)
+      : engine(s, reg, o.protocol, stats_, proto::caps::host), parts_(std::move(p)), opts_(o) {
+    tx_ = ring(parts_.tx_segment.get());
+    rx_ = ring(parts_.rx_segment.get());
+    poller_.self = this;
+    bell_op_.self = this;
+    bell_op_.complete = &on_bell;
+    watch_op_.self = this;
+    watch_op_.complete = &on_watch;
+    linger_op_.self = this;
+    linger_op_.complete = &on_linger;
+    kick_.self = this;
+    kick_.run = &on_kick;
+    sched().add_poller(poller_);
+    polling_ = true;
+    live_ = true;
+    arm_watch();
+    held_ = true;  // hello and the first credit leave together
+    start_protocol();
+    held_ = false;
+    write_some(false);
+  }
+
+  const endpoint_stats& stats() const noexcept { return stats_; }
+  int peer_pid() const noexcept { return parts_.peer_pid; }
+  /// The parser's reason for the last protocol error, for diagnostics.
+  gdr::tcp::frame_status protocol_reason() const noexcept { return protocol_reason_; }
+
+  std::string peer_name() const override { return "pid " + std::to_string(parts_.peer_pid) + " (shared memory)"; }
+
+ private:
+  struct conn_op : operation {
+    connection* self = nullptr;
+  };
+  struct kick_node : remote_work {
+    connection* self = nullptr;
+  };
+  struct ring_poller final : poller {
+    connection* self = nullptr;
+    poll_status poll() noexcept override { return self->poll_ring(); }
+    const char* name() const noexcept override { return "shm-ring"; }
+  };
+  /// Which list holds a posted frame (`frame::where`).
+  enum where_t : std::uint8_t { nowhere = 0, in_tx = 1, in_done = 2, in_dropped = 3 };
+  /// Where the reader is putting the current payload.
+  struct rx_target {
+    bool active = false;
+    std::byte* dst = nullptr;
+    std::size_t want = 0;
+    std::size_t done = 0;
+    std::uint64_t discard = 0;
+  };
+
+  ~connection() override {
+    if (polling_) sched().remove_poller(poller_);
+  }
+  void destroy() noexcept override { delete this; }
+
+  // ---------------------------------------------------------------- the engine's hooks
+
+  void link_post(frame& f) noexcept override;
+  bool link_withdraw(frame& f) noexcept override;
+  bool link_committed(const frame& f) const noexcept override { return f.queued && f.sealed; }
+  void link_resume() noexcept override {
+    if (rx_paused_) {
+      rx_paused_ = false;
+      kick();  // the loop reads again (and a sleeping one wakes)
+    }
+  }
+  bool link_abort_target() noexcept override {
+    // Payloads are copied inside one event: nothing is in flight into it.
+    if (tgt_.active) {
+      skip_ += (tgt_.want - tgt_.done) + tgt_.discard;
+      tgt_ = {};
+    }
+    return true;
+  }
+  void link_shutdown() noexcept override;
+  bool link_close() noexcept override;
+  bool link_flush() noexcept override {
+    if (!write_deferred_) return false;
+    write_deferred_ = false;
+    write_some(true);
+    return true;
+  }
+  bool link_quiet() const noexcept override {
+    return !ending_ && !bell_inflight_ && !watch_inflight_ && !linger_inflight_ && !kick_posted_ &&
+           done_.empty() && dropped_.empty();
+  }
+  void link_release() noexcept override;
+  transfer_path link_rx_path(bool) const noexcept override { return transfer_path::shared_memory; }
+  transfer_path link_tx_path() const noexcept override { return transfer_path::shared_memory; }
+
+  // ---------------------------------------------------------------- writer
+
+  /// Copies what fits of the queued frames into the ring. `in_event`: inside
+  /// an event handler, where finished frames complete at once; else they
+  /// complete from the loop (kick).
+  void write_some(bool in_event) noexcept;
+  void seal(frame& f) noexcept {
+    f.seq = tx_seq_++;
+    gdr::tcp::encode_frame(f.hdr, f.seq, f.encoded);
+    f.sealed = true;
+  }
+  void drop(frame& f) noexcept {
+    f.where = in_dropped;
+    dropped_.push_back(&f);
+  }
+  void drop_unsent() noexcept;
+  /// Hands back the frames done outside an event and those dropped.
+  void return_finished() noexcept;
+  /// Rings the peer's bell (it sleeps waiting for bytes or room).
+  void ring_peer() noexcept {
+    std::uint64_t one = 1;
+    ssize_t r = ::write(parts_.peer_bell.get(), &one, sizeof one);
+    (void)r;  // only EAGAIN at a counter near 2^64 (never), or a closed peer: nothing to wake
+    ++stats_.bells_rung;
+  }
+
+  // ---------------------------------------------------------------- reader
+
+  /// Reads what the peer's ring holds: headers to the engine, payloads to
+  /// their places (or dropped while ending). Inside an event.
+  void pump() noexcept;
+  bool parse_one() noexcept;
+  void target_done() noexcept {
+    rx_target t = std::exchange(tgt_, rx_target{});
+    skip_ = t.discard;
+    on_placed(false);
+  }
+  /// After the peer's end, while paused: do the bytes not yet read (from
+  /// the paused header on) end with a whole close frame?
+  bool unread_ends_with_close() const noexcept;
+  void protocol_fail(gdr::tcp::frame_status why) noexcept {
+    protocol_reason_ = why;
+    on_link_failed(errc::protocol_error);
+  }
+
+  // ---------------------------------------------------------------- the loop's side
+
+  bool reading() const noexcept { return live_ && !rx_paused_ && !failed(); }
+  poll_status poll_ring() noexcept;
+  /// Nothing to do and the loop may sleep: set the waiting flags, look
+  /// again, and keep the bell's read in flight.
+  poll_status arm() noexcept;
+  void arm_bell() noexcept;
+  static void on_bell(operation* o, int res, std::uint32_t) noexcept;
+  void kick() noexcept {
+    if (kick_posted_) return;
+    kick_posted_ = true;
+    sched().post(&kick_);
+  }
+  static void on_kick(remote_work* w) noexcept;
+
+  // ---------------------------------------------------------------- the end
+
+  void arm_watch() noexcept;
+  static void on_watch(operation* o, int res, std::uint32_t) noexcept;
+  /// The orderly end is over (the peer's hang-up came, or the linger
+  /// expired): stop everything in flight.
+  void end_done() noexcept;
+  void cancel_bell() noexcept {
+    if (bell_inflight_ && !bell_cancelled_) {
+      bell_cancelled_ = true;
+      sched().cancel(&bell_op_);
+    }
+  }
+  void arm_linger() noexcept;
+  void end_linger() noexcept {
+    if (linger_inflight_ && !linger_cancelled_) {
+      linger_cancelled_ = true;
+      sched().cancel(&linger_op_);
+    }
+  }
+  static void on_linger(operation* o, int, std::uint32_t) noexcept;
+
+  // ---------------------------------------------------------------- state
+
+  link_parts parts_;
+  endpoint_options opts_;
+  endpoint_stats stats_{};
+  gdr::tcp::frame_status protocol_reason_ = gdr::tcp::frame_status::ok;
+  ring tx_{};
+  ring rx_{};
+  ring_poller poller_{};
+  bool polling_ = false;  // poller_ is one of the scheduler's pollers
+  bool live_ = false;     // the rings may be used (false after shutdown or release)
+  kick_node kick_{};
+  bool kick_posted_ = false;
+
+  // writer
+  proto::fifo<frame, &frame::prev, &frame::next> txq_{};
+  proto::fifo<frame, &frame::prev, &frame::next> done_{};     // written outside an event: complete from the loop
+  proto::fifo<frame, &frame::prev, &frame::next> dropped_{};  // never written (failed)
+  std::uint32_t tx_seq_ = 0;
+  bool held_ = false;            // the constructor's hello and credit: written together
+  bool write_deferred_ = false;  // frames posted in a handler, written at its end
+  bool tx_blocked_ = false;      // frames wait for room in the ring
+
+  // reader
+  rx_target tgt_{};
+  std::uint64_t skip_ = 0;
+  std::uint32_t rx_seq_ = 0;
+  bool rx_paused_ = false;
+  bool saw_close_ = false;  // the peer's close frame was read
+  bool peer_gone_ = false;  // the socket hung up: the peer ended (in order or not)
+
+  // the bell, the watch, the orderly end
+  conn_op bell_op_{};
+  std::uint64_t bell_value_ = 0;
+  bool bell_inflight_ = false;
+  bool bell_cancelled_ = false;
+  conn_op watch_op_{};
+  bool watch_inflight_ = false;
+  bool watch_cancelled_ = false;
+  bool ending_ = false;
+  conn_op linger_op_{};
+  bool linger_inflight_ = false;
+  bool linger_cancelled_ = false;
+  __kernel_timespec linger_ts_{};
+};
+
+}  // namespace detail::shm
+
+}  // namespace gdr

@@ -1,0 +1,405 @@
+/// \file
+/// The shared-memory connection's members: the writer (frames into the
+/// ring), the reader (frames out of the peer's ring), the loop's side (the
+/// poller, the bell), and the end (the socket's hang-up, the orderly close,
+/// the linger bound). The design is in connection.hpp.
+#pragma once
+
+#include <liburing.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include <gdr/protocol/engine/event_scope.hpp>
+#include <gdr/transport/shm/connection.hpp>
+
+namespace gdr::detail::shm {
+
+// ------------------------------------------------------------------ writer
+
+inline void connection::link_post(frame& f) noexcept {
+  f.queued = true;
+  f.sealed = false;
+  f.in_flight = false;
+  f.written = 0;
+  if (failed() || !live_) {
+    // Nothing will be written: handed back from the loop, not from inside
+    // the caller (an operation must not complete before it waits).
+    drop(f);
+    kick();
+    return;
+  }
+  f.where = in_tx;
+  txq_.push_back(&f);
+  if (in_handler()) {
+    write_deferred_ = true;  // at the handler's end (link_flush), with what else it posts
+    return;
+  }
+  write_some(false);
+}
+
+inline bool connection::link_withdraw(frame& f) noexcept {
+  if (!f.queued) return false;
+  if (f.sealed && !failed()) return false;  // some of it is in the ring
+  switch (f.where) {
+    case in_tx: txq_.erase(&f); break;
+    case in_done: done_.erase(&f); break;
+    case in_dropped: dropped_.erase(&f); break;
+    default: return false;
+  }
+  f.where = nowhere;
+  f.queued = false;
+  return true;
+}
+
+inline void connection::write_some(bool in_event) noexcept {
+  if (held_ || !live_ || failed()) return;
+  const bool was_blocked = tx_blocked_;
+  bool unpublished = false;
+  auto publish = [&] {
+    tx_.publish();
+    unpublished = false;
+    if (take_waiter(tx_.control().reader_waiting)) ring_peer();
+  };
+  while (frame* f = txq_.head) {
+    const std::size_t total = wire::header_size + static_cast<std::size_t>(f->hdr.length);
+    std::size_t room = tx_.room();
+    if (room == 0) break;
+    if (!f->sealed) seal(*f);
+    while (f->written < total) {
+      if (room == 0 && (room = tx_.room()) == 0) break;
+      std::size_t n;
+      if (f->written < wire::header_size) {
+        n = std::min(room, wire::header_size - f->written);
+        tx_.put(f->encoded + f->written, n);
+      } else {
+        n = std::min({room, total - f->written, piece});
+        tx_.put(f->payload + (f->written - wire::header_size), n);
+      }
+      f->written += n;
+      room -= n;
+      unpublished = true;
+      // A large payload is published piece by piece: the reader copies
+      // out while the rest is copied in.
+      if (n == piece) publish();
+    }
+    if (f->written < total) break;  // the ring is full
+    txq_.erase(f);
+    ++stats_.frames_out;
+    if (in_event) {
+      f->where = nowhere;
+      on_sent(*f, {});
+    } else {
+      f->where = in_done;
+      done_.push_back(f);
+      kick();
+    }
+  }
+  if (unpublished) publish();
+  tx_blocked_ = !txq_.empty();
+  if (tx_blocked_ && !was_blocked) ++stats_.ring_full;
+}
+
+inline void connection::drop_unsent() noexcept {
+  while (frame* f = txq_.pop_front()) drop(*f);
+  tx_blocked_ = false;
+  if (!dropped_.empty()) kick();
+}
+
+inline void connection::return_finished() noexcept {
+  while (frame* f = done_.pop_front()) {
+    f->where = nowhere;
+    on_sent(*f, {});
+  }
+  while (frame* f = dropped_.pop_front()) {
+    f->where = nowhere;
+    on_sent(*f, failed() ? error() : make_error_code(errc::closed));
+  }
+}
+
+// ------------------------------------------------------------------ reader
+
+inline bool connection::parse_one() noexcept {
+  std::byte h[wire::header_size];
+  rx_.peek(h, 0, wire::header_size);
+  gdr::tcp::frame_parse_result r = gdr::tcp::parse_frame(std::span<const std::byte>(h), options().max_message);
+  if (r.status != gdr::tcp::frame_status::ok) {
+    protocol_fail(r.status);
+    return false;
+  }
+  if (r.seq != rx_seq_) {
+    protocol_fail(gdr::tcp::frame_status::bad_field);  // out of step
+    return false;
+  }
+  proto::rx_plan plan = on_header(r.header);
+  switch (plan.act) {
+    case proto::rx_plan::action::pause:
+      rx_paused_ = true;
+      return false;
+    case proto::rx_plan::action::fail:
+      if (!failed()) protocol_fail(gdr::tcp::frame_status::bad_field);
+      return false;
+    case proto::rx_plan::action::place: break;
+  }
+  rx_.consume(wire::header_size);
+  ++rx_seq_;
+  ++stats_.frames_in;
+  if (r.header.type == proto::msg::close) saw_close_ = true;
+  tgt_ = {};
+  tgt_.active = true;
+  tgt_.dst = plan.dst;
+  tgt_.want = plan.want;
+  tgt_.discard = plan.discard;
+  return !failed();
+}
+
+inline void connection::pump() noexcept {
+  bool corrupt = false;
+  std::size_t avail = rx_.readable(corrupt);
+  // One call reads at most this much, so that a peer streaming without
+  // end does not hold the loop.
+  std::size_t budget = 4 * rx_.capacity();
+  bool took = false;
+  auto give_back = [&] {
+    rx_.release();
+    took = false;
+    if (take_waiter(rx_.control().writer_waiting)) ring_peer();
+  };
+  auto take = [&](std::size_t n) {
+    rx_.consume(n);
+    avail -= n;
+    budget -= std::min(budget, n);
+    took = true;
+  };
+  while (!corrupt && live_ && !failed()) {
+    if (tgt_.active && tgt_.done == tgt_.want && !ending_) {
+      target_done();  // (an empty payload is in place at once)
+      continue;
+    }
+    const bool need_header = !ending_ && skip_ == 0 && !tgt_.active;
+    if (avail == 0 || (need_header && avail < wire::header_size)) {
+      if (took) give_back();
+      if (budget == 0) break;
+      std::size_t again = rx_.readable(corrupt);
+      if (again == avail) break;  // nothing new
+      avail = again;
+      continue;
+    }
+    if (ending_) {
+      // The orderly end: what the peer still writes is dropped.
+      tgt_ = {};
+      skip_ = 0;
+      take(avail);
+      continue;
+    }
+    if (rx_paused_) break;
+    if (skip_ != 0) {
+      auto n = static_cast<std::size_t>(std::min<std::uint64_t>(skip_, avail));
+      take(n);
+      skip_ -= n;
+      continue;
+    }
+    if (tgt_.active) {
+      std::size_t n = std::min(tgt_.want - tgt_.done, avail);
+      if (n != 0) {
+        rx_.peek(tgt_.dst + tgt_.done, 0, n);
+        tgt_.done += n;
+        take(n);
+        if (n >= piece) give_back();  // room for the writer's next pieces now
+      }
+      continue;
+    }
+    if (!parse_one()) break;
+    avail -= wire::header_size;
+    took = true;
+  }
+  if (corrupt && !failed()) protocol_fail(gdr::tcp::frame_status::bad_field);
+  if (took) give_back();
+}
+
+inline bool connection::unread_ends_with_close() const noexcept {
+  bool corrupt = false;
+  const std::size_t avail = rx_.readable(corrupt);
+  if (corrupt) return false;
+  std::size_t at = 0;
+  bool close_last = false;
+  while (avail - at >= wire::header_size) {
+    std::byte h[wire::header_size];
+    rx_.peek(h, at, wire::header_size);
+    gdr::tcp::frame_parse_result r = gdr::tcp::parse_frame(std::span<const std::byte>(h), options().max_message);
+    if (r.status != gdr::tcp::frame_status::ok) return false;
+    close_last = r.header.type == proto::msg::close;
+    if (r.header.length > avail - at - wire::header_size) return false;  // cut off in its payload
+    at += wire::header_size + static_cast<std::size_t>(r.header.length);
+  }
+  return at == avail && close_last;
+}
+
+// ------------------------------------------------------------------ the loop's side
+
+inline poll_status connection::poll_ring() noexcept {
+  if (!live_) return {};
+  bool corrupt = false;
+  const bool rx_ready = reading() && (rx_.readable(corrupt) != 0 || corrupt);
+  const bool tx_ready = tx_blocked_ && !failed() && tx_.room() != 0;
+  if (rx_ready || tx_ready) {
+    {
+      proto::event_scope ev(*this);
+      if (rx_ready) pump();
+      if (tx_blocked_) write_some(true);
+    }  // may have freed this
+    return {.did_work = true};
+  }
+  if (sched().mode() != run_mode::busy_poll) return arm();
+  return {};
+}
+
+inline poll_status connection::arm() noexcept {
+  const bool want_rx = reading();
+  const bool want_tx = tx_blocked_ && !failed();
+  if (!want_rx && !want_tx) return {};
+  if (want_rx) announce_wait(rx_.control().reader_waiting);
+  if (want_tx) announce_wait(tx_.control().writer_waiting);
+  bool corrupt = false;
+  if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && tx_.room() != 0)) return {.did_work = true};
+  arm_bell();
+  if (!bell_inflight_) return {.sleep_bound = std::chrono::milliseconds(1)};  // no SQE: look again soon
+  return {};
+}
+
+inline void connection::arm_bell() noexcept {
+  if (bell_inflight_ || !live_) return;
+  io_uring_sqe* sqe = sched().get_sqe();
+  if (sqe == nullptr) return;
+  io_uring_prep_read(sqe, parts_.bell.get(), &bell_value_, sizeof bell_value_, 0);
+  io_uring_sqe_set_data(sqe, static_cast<operation*>(&bell_op_));
+  sched().note_submitted();
+  bell_inflight_ = true;
+  ++stats_.bell_waits;
+}
+
+inline void connection::on_bell(operation* o, int, std::uint32_t) noexcept {
+  connection* c = static_cast<conn_op*>(o)->self;
+  proto::event_scope ev(*c);
+  c->bell_inflight_ = false;
+  c->bell_cancelled_ = false;
+  // What woke it is read by the loop's next poll of the ring.
+  c->on_io_done();
+}
+
+inline void connection::on_kick(remote_work* w) noexcept {
+  connection* c = static_cast<kick_node*>(w)->self;
+  proto::event_scope ev(*c);
+  c->kick_posted_ = false;
+  c->return_finished();
+  if (c->reading()) c->pump();
+  if (c->tx_blocked_) c->write_some(true);
+  c->on_io_done();
+}
+
+// ------------------------------------------------------------------ the end
+
+inline void connection::arm_watch() noexcept {
+  io_uring_sqe* sqe = sched().get_sqe();
+  if (sqe == nullptr) return;  // unreachable with sane ring sizes; the peer's end is then unseen
+  io_uring_prep_poll_add(sqe, parts_.sock.get(), POLLRDHUP);
+  io_uring_sqe_set_data(sqe, static_cast<operation*>(&watch_op_));
+  sched().note_submitted();
+  watch_inflight_ = true;
+}
+
+inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept {
+  connection* c = static_cast<conn_op*>(o)->self;
+  proto::event_scope ev(*c);
+  c->watch_inflight_ = false;
+  const bool cancelled = std::exchange(c->watch_cancelled_, false) || res == -ECANCELED;
+  if (!cancelled) {
+    c->peer_gone_ = true;
+    if (c->ending_) {
+      c->pump();
+      c->end_done();
+    } else if (c->live_ && !c->failed()) {
+      // What the peer wrote before it ended is still in the ring.
+      if (c->reading()) c->pump();
+      if (!c->failed() && !c->saw_close_ && !(c->rx_paused_ && c->unread_ends_with_close()))
+        c->on_link_failed(errc::connection_lost);
+    }
+  }
+  c->return_finished();
+  c->on_io_done();
+}
+
+inline void connection::end_done() noexcept {
+  ending_ = false;
+  live_ = false;
+  end_linger();
+  cancel_bell();
+  drop_unsent();
+}
+
+inline void connection::link_shutdown() noexcept {
+  rx_paused_ = false;
+  ending_ = false;
+  end_linger();
+  // The peer sees the hang-up at once; this side's watch returns too.
+  if (parts_.sock.valid()) ::shutdown(parts_.sock.get(), SHUT_RDWR);
+  live_ = false;
+  cancel_bell();
+  drop_unsent();
+}
+
+inline bool connection::link_close() noexcept {
+  rx_paused_ = false;
+  if (!live_ || !parts_.sock.valid()) return false;
+  ::shutdown(parts_.sock.get(), SHUT_WR);
+  drop_unsent();
+  ending_ = true;
+  if (peer_gone_ || !watch_inflight_) {
+    end_done();
+    return true;
+  }
+  arm_linger();
+  kick();  // read and drop what the peer still writes
+  return true;
+}
+
+inline void connection::link_release() noexcept {
+  live_ = false;
+  tx_ = ring{};
+  rx_ = ring{};
+  parts_.tx_segment.reset();
+  parts_.rx_segment.reset();
+  parts_.bell.reset();
+  parts_.peer_bell.reset();
+  parts_.sock.reset();
+}
+
+inline void connection::arm_linger() noexcept {
+  if (opts_.close_linger.count() <= 0) return;
+  io_uring_sqe* sqe = sched().get_sqe();
+  if (sqe == nullptr) return;  // the close's own timeout bounds the end
+  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(opts_.close_linger).count();
+  linger_ts_.tv_sec = ns / 1000000000;
+  linger_ts_.tv_nsec = ns % 1000000000;
+  io_uring_prep_timeout(sqe, &linger_ts_, 0, 0);
+  io_uring_sqe_set_data(sqe, static_cast<operation*>(&linger_op_));
+  sched().note_submitted();
+  linger_inflight_ = true;
+}
+
+inline void connection::on_linger(operation* o, int, std::uint32_t) noexcept {
+  connection* c = static_cast<conn_op*>(o)->self;
+  proto::event_scope ev(*c);
+  c->linger_inflight_ = false;
+  c->linger_cancelled_ = false;
+  // Still ending: the peer did not end in time. Both halves down: the
+  // watch returns and ends it.
+  if (c->ending_ && c->parts_.sock.valid()) ::shutdown(c->parts_.sock.get(), SHUT_RDWR);
+  c->on_io_done();
+}
+
+}  // namespace gdr::detail::shm

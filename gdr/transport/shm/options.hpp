@@ -1,0 +1,73 @@
+/// \file
+/// The shared-memory transport's tag (the key of its rows in the path
+/// table), the tuning of one endpoint, its counters, and the file
+/// descriptor handle it keeps its socket, segments and bells in.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include <gdr/protocol/options.hpp>
+#include <gdr/transfer/common.hpp>
+
+namespace gdr::shm {
+
+/// The shared-memory transport's tag: the key of its rows in the path table.
+struct endpoint_stats;
+struct transport {
+  static constexpr const char* name = "shm";
+  using stats_type = endpoint_stats;
+};
+
+/// Tuning of one endpoint.
+struct endpoint_options {
+  /// The protocol layer's tuning (rendezvous threshold, early-message
+  /// store, reply slots, the largest message accepted).
+  protocol_options protocol{};
+  /// Bytes of the ring this side writes into (rounded up to a power of
+  /// two, at least 64 KiB, at most 1 GiB). The peer's ring is the size the
+  /// peer chose. A message larger than the ring streams through it.
+  std::size_t ring_bytes = std::size_t{1} << 20;
+  /// How long an orderly close (this side's or the peer's) waits, after its
+  /// close frame, for the peer's end before it drops the connection. A
+  /// close's own timeout, if shorter, bounds it first.
+  std::chrono::milliseconds close_linger{2000};
+};
+
+/// Counters of one endpoint: the protocol layer's, and the transport's.
+struct endpoint_stats : protocol_stats {
+  std::uint64_t frames_out = 0;   ///< frames written into the ring
+  std::uint64_t frames_in = 0;    ///< frames parsed from the peer's ring
+  std::uint64_t ring_full = 0;    ///< times a write stopped for lack of room
+  std::uint64_t bells_rung = 0;   ///< times this side woke the sleeping peer (an eventfd write)
+  std::uint64_t bell_waits = 0;   ///< times this side armed its bell to sleep
+};
+
+/// A file descriptor, closed on destruction.
+class fd_handle {
+ public:
+  fd_handle() noexcept = default;
+  explicit fd_handle(int fd) noexcept : fd_(fd) {}
+  fd_handle(fd_handle&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  fd_handle& operator=(fd_handle&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  ~fd_handle() { reset(); }
+  int get() const noexcept { return fd_; }
+  bool valid() const noexcept { return fd_ >= 0; }
+  int release() noexcept { return std::exchange(fd_, -1); }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace gdr::shm
