@@ -4,7 +4,8 @@
 // bandwidth (a window of operations in flight), between two endpoints of
 // the chosen transport, with the path the last operation took.
 //
-//   tcp, verbs   two forked processes, pinned (harness.hpp); verbs needs an
+//   tcp, shm,    two forked processes, pinned (harness.hpp); shm meets on an
+//   verbs        abstract Unix socket name; verbs needs an
 //                RDMA device and its IP address (--verbs-ip or GDR_VERBS_IP)
 //   loopback     one process, two threads each with its scheduler, pinned
 //
@@ -34,6 +35,7 @@
 #include <gdr/memory/view.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transport/loopback.hpp>
+#include <gdr/transport/shm.hpp>
 #include <gdr/transport/tcp.hpp>
 #if GDR_HAS_CUDA
 #include <gdr/cuda/event_poller.hpp>
@@ -59,7 +61,7 @@ inline const char* name(space s) { return s == space::host ? "host" : s == space
 
 /// What one gdr measurement runs.
 struct spec {
-  std::string transport = "tcp";  // tcp, loopback, verbs
+  std::string transport = "tcp";  // tcp, shm, loopback, verbs
   op operation = op::send;
   space_arg local{};  // the initiator's (client's) memory
   space_arg peer{};   // the other side's: its receive buffer, or the exposed memory of a put/get
@@ -108,6 +110,10 @@ inline std::size_t window(std::size_t size) {
     return std::max<std::size_t>(1, std::strtoul(d, nullptr, 10));
   return std::clamp<std::size_t>((4u << 20) / (size + 1), 2, 64);
 }
+
+/// The abstract socket name a shm pair meets on: both sides are children
+/// of one gdr_perf, and the harness's free port differs per run.
+inline std::string shm_name(std::uint16_t port) { return "@gdr-perf-" + std::to_string(::getppid()) + "-" + std::to_string(port); }
 
 /// The passive side: echoes (send, latency), receives and acks (send,
 /// bandwidth), or exposes its memory until the initiator says it is done
@@ -239,6 +245,13 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
         gdr::tcp::endpoint ep = co_await l.accept();
         co_await serve<gdr::tcp::endpoint, PS>(ep, sp, size, passive_n, latency);
       }());
+    } else if (sp.transport == "shm") {
+      gdr::shm::listener l(sched, shm_name(port));
+      ready();
+      gdr::sync_wait(sched, [&]() -> gdr::task<> {
+        gdr::shm::endpoint ep = co_await l.accept();
+        co_await serve<gdr::shm::endpoint, PS>(ep, sp, size, passive_n, latency);
+      }());
     } else {
 #if GDR_HAS_VERBS
       gdr::verbs::listener l(sched, ip + ":" + std::to_string(port));
@@ -259,6 +272,11 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
       m = gdr::sync_wait(sched, [&]() -> gdr::task<measured> {
         gdr::tcp::endpoint ep = co_await gdr::tcp::connect(sched, "127.0.0.1:" + std::to_string(port));
         co_return co_await drive<gdr::tcp::endpoint, LS, PS>(ep, sp, size, n, cfg.warmup, latency);
+      }());
+    } else if (sp.transport == "shm") {
+      m = gdr::sync_wait(sched, [&]() -> gdr::task<measured> {
+        gdr::shm::endpoint ep = co_await gdr::shm::connect(sched, shm_name(port));
+        co_return co_await drive<gdr::shm::endpoint, LS, PS>(ep, sp, size, n, cfg.warmup, latency);
       }());
     } else {
 #if GDR_HAS_VERBS
@@ -286,10 +304,10 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
 
 /// Why `sp` cannot run in this build or on this machine (empty: it can).
 inline std::string cannot_run(const spec& sp) {
-  if (sp.transport != "tcp" && sp.transport != "loopback" && sp.transport != "verbs") {
+  if (sp.transport != "tcp" && sp.transport != "shm" && sp.transport != "loopback" && sp.transport != "verbs") {
     if (sp.transport == "ipc")
-      return "--transport ipc: CUDA IPC and shared memory within a node are not built yet";
-    return "--transport " + sp.transport + ": not a transport (tcp, loopback, verbs)";
+      return "--transport ipc: CUDA IPC is not built yet (host memory between processes: --transport shm)";
+    return "--transport " + sp.transport + ": not a transport (tcp, shm, loopback, verbs)";
   }
   if (sp.transport == "verbs") {
 #if !GDR_HAS_VERBS

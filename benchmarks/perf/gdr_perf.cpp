@@ -3,7 +3,7 @@
 // in the same run with the programs that do the same job without gdr, with
 // ratios, the path each size took, a table, a CSV and a gnuplot plot.
 //
-//   gdr_perf [--transport tcp|loopback|verbs|ipc] [--op send|put|get|fetch_add]
+//   gdr_perf [--transport tcp|shm|loopback|verbs|ipc] [--op send|put|get|fetch_add]
 //            [--space host|pinned|device[:N]] [--peer-space host|pinned|device[:N]]
 //            [--sizes 8,4096,... | 8:1G[:xF]] [--mode busy|sleep] [--iters N]
 //            [--vs raw,iperf3,ucx_perftest,perftest,mpi | none] [--csv F] [--plot F.png]
@@ -20,7 +20,7 @@
 // tag_lat/tag_bw for send, ucp_put_lat/ucp_put_bw for put, ucp_get for get).
 // perftest (verbs: ib_send_*, ib_write_* for put, ib_read_* for get, on the
 // same device), mpi (benchmarks/perf/mpi_pingpong.cpp under mpirun: Open
-// MPI's tcp BTL for --transport tcp, its shared-memory BTL for loopback;
+// MPI's tcp BTL for --transport tcp, its shared-memory BTL for shm and loopback;
 // the binary beside gdr_perf, or GDR_PERF_MPI). A peer that does not fit
 // the run, or is not installed, prints n/a with the reason.
 //
@@ -58,7 +58,7 @@ struct options {
 
 [[noreturn]] void usage(int status) {
   std::fprintf(status == 0 ? stdout : stderr,
-               "usage: gdr_perf [--transport tcp|loopback|verbs|ipc] [--op send|put|get|fetch_add]\n"
+               "usage: gdr_perf [--transport tcp|shm|loopback|verbs|ipc] [--op send|put|get|fetch_add]\n"
                "                [--space host|pinned|device[:N]] [--peer-space host|pinned|device[:N]]\n"
                "                [--sizes 8,4096,... | 8:1G[:xF]] [--mode busy|sleep] [--iters N]\n"
                "                [--vs raw,iperf3,ucx_perftest,perftest,mpi | none] [--csv F] [--plot F.png]\n"
@@ -231,6 +231,9 @@ std::vector<peer> peers_for(const options& o) {
     if (tcp_host && sp.operation == op::send) names = {"raw", "iperf3", "ucx_perftest"};
     else if (tcp_host) names = {"ucx_perftest"};
     else if (sp.transport == "verbs") names = {"perftest"};
+    else if (sp.transport == "shm" && sp.local.kind != space::device && sp.peer.kind != space::device &&
+             sp.operation == op::send)
+      names = {"mpi"};
   }
   std::vector<peer> out;
   for (const std::string& n : names) {
@@ -245,9 +248,10 @@ std::vector<peer> peers_for(const options& o) {
       else if (!perf::external::have("ib_send_lat")) p.unfit = "perftest is not installed";
     } else if (n == "mpi") {
       const bool host = sp.local.kind != space::device && sp.peer.kind != space::device;
-      if (sp.operation != op::send || !host || (sp.transport != "tcp" && sp.transport != "loopback"))
-        p.unfit = "the MPI ping-pong compares sends of host memory over TCP (Open MPI's tcp BTL) or loopback (its "
-                  "shared-memory BTL)";
+      if (sp.operation != op::send || !host ||
+          (sp.transport != "tcp" && sp.transport != "loopback" && sp.transport != "shm"))
+        p.unfit = "the MPI ping-pong compares sends of host memory over TCP (Open MPI's tcp BTL) or shm and "
+                  "loopback (its shared-memory BTL)";
       else if (!perf::external::have("mpirun")) p.unfit = "mpirun is not installed";
       else if (mpi_binary().empty()) p.unfit = "no mpi_pingpong beside gdr_perf (./bazelw build //benchmarks:mpi_pingpong, or GDR_PERF_MPI)";
     } else {
