@@ -36,6 +36,14 @@
 ///    ones that did not answer.
 /// 4. A final allgather of each rank's outcome: if any rank failed, every
 ///    rank throws, instead of some ranks waiting on a peer that gave up.
+///
+/// Which transport joins two ranks: shared memory (`gdr::shm`) when both
+/// run on one node (the same boot id, IPC and network namespaces: what a
+/// memfd and an abstract Unix socket need) and both chose it
+/// (`mesh_options::same_node`, the default), TCP otherwise. Each rank
+/// publishes its TCP address, its shared-memory listener's name and its
+/// node's identity in step 2; `GDR_LOG=path` prints each endpoint's
+/// transport with its paths.
 /// Nothing waits for anything but the peer at the other end of a
 /// connection: the listening sockets exist before any address is published,
 /// the kernel completes TCP handshakes into the listen backlog, and every
@@ -70,6 +78,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -77,6 +87,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include <gdr/bootstrap/detail/mesh_steps.hpp>
 #include <gdr/bootstrap/rendezvous.hpp>
@@ -90,11 +102,19 @@
 #include <gdr/memory/view.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/sched/timer.hpp>
+#include <gdr/transport/shm/connect.hpp>
+#include <gdr/transport/shm/endpoint.hpp>
 #include <gdr/transport/tcp/connect.hpp>
 #include <gdr/transport/tcp/endpoint.hpp>
 #include <gdr/transport/tcp/listener.hpp>
 
 namespace gdr::bootstrap {
+
+/// Which transport `connect_mesh` uses between two ranks of one node.
+enum class same_node_transport : std::uint8_t {
+  shm,  ///< shared memory (`gdr::shm`): the default
+  tcp,  ///< TCP, as between nodes
+};
 
 /// How `connect_mesh` builds the mesh.
 ///
@@ -116,8 +136,15 @@ struct mesh_options {
   int max_connects_in_flight = 32;
   /// The registry the endpoints serve peers' put/get from.
   memory_registry* registry = &default_registry();
-  /// Options of every endpoint.
+  /// Options of every TCP endpoint.
   tcp::endpoint_options endpoint{};
+  /// Between ranks of one node (the same boot, IPC and network namespace):
+  /// shared memory, unless this says TCP (or `GDR_MESH_SAME_NODE=tcp` is
+  /// set). Both ranks of a pair must agree: each publishes its choice, and
+  /// a pair uses shared memory only if both chose it.
+  same_node_transport same_node = same_node_transport::shm;
+  /// Options of every shared-memory endpoint.
+  shm::endpoint_options shm_endpoint{};
 };
 
 /// One connected endpoint per other rank. Move-only.
@@ -351,6 +378,7 @@ task<mesh> build_mesh(R& rv, std::string configured_host, mesh_limits lim, Net& 
   static constexpr const char* who = "connect_mesh";
   // 1, 2. Introductions, listening addresses.
   const mesh_table t = introduce_and_publish(rv, net, who, configured_host);
+  if constexpr (requires { net.learn(t); }) net.learn(t);
 
   // 3. Connect to the higher ranks and accept the lower ones, at once. (A
   // rank that could not listen, or learnt that another could not, skips to
@@ -425,14 +453,116 @@ struct tcp_net {
   }
 };
 
+/// This node as shared memory sees it: the boot id, and the IPC and
+/// network namespaces (a memfd crosses namespaces, an abstract socket name
+/// does not). Empty if it cannot be read.
+inline std::string node_identity() {
+  std::string id;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char b[64] = {};
+    if (std::fgets(b, sizeof b, f) != nullptr) id = b;
+    std::fclose(f);
+  }
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  for (const char* ns : {"/proc/self/ns/ipc", "/proc/self/ns/net"}) {
+    char b[64] = {};
+    ssize_t n = ::readlink(ns, b, sizeof b - 1);
+    if (n <= 0 || id.empty()) return {};
+    id += ",";
+    id.append(b, static_cast<std::size_t>(n));
+  }
+  return id;
+}
+
+/// The side of `build_mesh` that picks the transport per peer: TCP, and
+/// shared memory to ranks of this node (see the file comment). What it
+/// publishes: "tcp address|shm name|node identity" (a rank that publishes
+/// a plain address is reached over TCP).
+struct node_net {
+  tcp_net tcp;
+  std::optional<shm::listener> shm_listener{};
+  std::string node{};
+  int shm_expected = 0;  // lower ranks that connect over shared memory
+  int shm_accepted = 0;
+
+  node_net(scheduler& s, const mesh_options& o) : tcp{&s, &o} {
+    const char* env = std::getenv("GDR_MESH_SAME_NODE");
+    const bool want = o.same_node == same_node_transport::shm && !(env != nullptr && std::string(env) == "tcp");
+    if (want) node = node_identity();
+  }
+
+  std::string listen(const std::string& host) {
+    std::string why = tcp.listen(host);
+    if (!why.empty() || node.empty()) return why;
+    try {
+      shm_listener.emplace(*tcp.sched, std::string(), *tcp.opts->registry, tcp.opts->shm_endpoint);
+    } catch (const error&) {
+      node.clear();  // no shared memory here: TCP to everyone
+    }
+    return {};
+  }
+  std::string published() const {
+    return node.empty() ? tcp.published() : tcp.published() + "|" + shm_listener->name() + "|" + node;
+  }
+  /// Rank r's shared-memory name if it is on this node and chose it, else empty.
+  std::string shm_name_of(const std::string& where) const {
+    const auto a = where.find('|');
+    if (node.empty() || a == std::string::npos) return {};
+    const auto b = where.find('|', a + 1);
+    if (b == std::string::npos || where.substr(b + 1) != node) return {};
+    return where.substr(a + 1, b - a - 1);
+  }
+  void learn(const mesh_table& t) {
+    for (int r = 0; r < t.rank; ++r)
+      if (!shm_name_of(t.where[static_cast<std::size_t>(r)]).empty()) ++shm_expected;
+  }
+  template <class = void>
+  task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
+    if (std::string name = shm_name_of(where); !name.empty()) {
+      try {
+        shm::endpoint ep =
+            co_await shm::connect(*tcp.sched, name, *tcp.opts->registry, tcp.opts->shm_endpoint, timeout_options(t));
+        co_return endpoint(std::move(ep));
+      } catch (const error& e) {
+        throw error(e.code(), std::string("shared memory: ") + e.what());
+      }
+    }
+    result<tcp::endpoint> r = co_await tcp.connect(where.substr(0, where.find('|')), t);
+    if (!r) co_return r.error();
+    co_return endpoint(std::move(*r));
+  }
+  /// The lower ranks of this node come first (through the shared-memory
+  /// listener), then the others (TCP). A connection on the shared-memory
+  /// name that is not a gdr peer is dropped and the accept goes on.
+  template <class = void>
+  task<result<endpoint>> accept(std::chrono::milliseconds t) {
+    while (shm_accepted < shm_expected) {
+      try {
+        shm::endpoint ep = co_await shm_listener->accept(timeout_options(t));
+        ++shm_accepted;
+        co_return endpoint(std::move(ep));
+      } catch (const error& e) {
+        if (e.code() != errc::protocol_error) throw error(e.code(), std::string("shared memory: ") + e.what());
+      }
+    }
+    result<tcp::endpoint> r = co_await tcp.accept(t);
+    if (!r) co_return r.error();
+    co_return endpoint(std::move(*r));
+  }
+  void close() {
+    tcp.close();
+    if (shm_listener) shm_listener->close();
+  }
+};
+
 }  // namespace detail
 
-/// Builds the mesh over TCP through `rv` (see the file comment).
-/// Collective: every rank calls it with the same `rv` world. Throws
-/// `gdr::error` (`errc::bootstrap_failed`).
+/// Builds the mesh through `rv` (see the file comment): TCP, and shared
+/// memory between ranks of one node. Collective: every rank calls it with
+/// the same `rv` world. Throws `gdr::error` (`errc::bootstrap_failed`).
 template <rendezvous R>
 task<mesh> connect_mesh(scheduler& sched, R& rv, mesh_options opts = {}) {
-  detail::tcp_net net{&sched, &opts};
+  detail::node_net net(sched, opts);
   detail::mesh_limits lim;
   lim.timeout = opts.timeout;
   lim.max_connects_in_flight = opts.max_connects_in_flight;

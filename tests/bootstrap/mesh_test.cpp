@@ -1,5 +1,6 @@
 // gdr/bootstrap/mesh.hpp: ranks in forked processes on 127.0.0.1 build a
-// TCP mesh through the TCP rendezvous and exchange checksummed messages; a
+// mesh (shared memory between them, since they share a node; TCP when told
+// so) through the TCP rendezvous and exchange checksummed messages; a
 // rank that fails is named, with the step, by every other rank.
 #include <doctest/doctest.h>
 
@@ -79,6 +80,41 @@ TEST_CASE("four ranks build a mesh and every pair exchanges checksummed messages
   });
   ::close(lfd);
   CHECK(codes == std::vector<int>(world, gdr_test::rank_ok));
+}
+
+TEST_CASE("ranks of one node are joined by shared memory, or by TCP when the options say so") {
+  for (bool shm : {true, false}) {
+    CAPTURE(shm);
+    std::uint16_t port = 0;
+    int lfd = gdr_test::listen_loopback(port);
+    REQUIRE(lfd >= 0);
+    constexpr int world = 3;
+    auto codes = gdr_test::run_ranks(gdr_test::first_ranks(world), 120s, [&](int rank) {
+      bs::tcp_rendezvous rv = join(rank, world, port, lfd);
+      gdr::scheduler sched;
+      bs::mesh_options o;
+      if (!shm) o.same_node = bs::same_node_transport::tcp;
+      int bad = gdr::sync_wait(sched, [&]() -> gdr::task<int> {
+        bs::mesh m = co_await bs::connect_mesh(sched, rv, o);
+        int wrong = 0;
+        for (int p = 0; p < world; ++p) {
+          if (p == rank) continue;
+          // "pid N (shared memory)" or "127.0.0.1:port"
+          const bool via_shm = m.peer(p).peer_name().find("shared memory") != std::string::npos;
+          if (via_shm != shm) {
+            std::fprintf(stderr, "rank %d: peer %d is %s\n", rank, p, m.peer(p).peer_name().c_str());
+            ++wrong;
+          }
+        }
+        wrong += co_await gdr_test::check_mesh(m, rv, rank, world);
+        co_return wrong;
+      }());
+      sched.drain();
+      return bad == 0 ? gdr_test::rank_ok : gdr_test::rank_failed;
+    });
+    ::close(lfd);
+    CHECK(codes == std::vector<int>(world, gdr_test::rank_ok));
+  }
 }
 
 TEST_CASE("a mesh of one rank has no peers") {
