@@ -43,14 +43,17 @@ inline gdr::tcp::endpoint_options tcp_options(const plan& p, int s) {
   return o;
 }
 
-/// The shared-memory options of side `s` of plan `p`: rings of 64 KiB to
-/// 1 MiB (16 times the plan's TCP staging buffer, so that existing seeds
-/// draw the same plans), small enough that large messages wrap and wait
-/// for room.
+/// The shared-memory options of side `s` of plan `p`, drawn from what the
+/// plan draws for TCP (so that existing seeds draw the same plans): rings
+/// of 64 KiB to 1 MiB (16 times the staging buffer), small enough that
+/// large messages wrap and wait for room; payloads from 4 or 16 KiB copied
+/// by the peer straight from this process's memory, or none (a third of
+/// the runs).
 inline gdr::shm::endpoint_options shm_options(const plan& p, int s) {
   gdr::shm::endpoint_options o;
   o.protocol = p.side[s].opts;
   o.ring_bytes = 16 * p.side[s].rx_buffer;
+  o.single_copy_threshold = p.side[s].direct_read_threshold < 4096 ? 0 : p.side[s].direct_read_threshold;
   return o;
 }
 

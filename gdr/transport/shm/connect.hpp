@@ -14,12 +14,16 @@
 /// `segment_bytes(ring_bytes)`, sealed against shrinking and growing (the
 /// peer maps it, and a segment that shrank under the mapping would kill the
 /// reader with SIGBUS), mapped and formatted (ring.hpp), and an eventfd, its
-/// bell. It sends a 32-byte hello (magic "GDRH", version 1, its ring's
-/// size, its pid) with both descriptors (`SCM_RIGHTS`), and receives the
+/// bell. It sends a 48-byte hello (magic "GDRH", version 1, its ring's
+/// size, its pid, a probe word) with both descriptors (`SCM_RIGHTS`), and receives the
 /// peer's. The peer's segment is checked (its seals, its size, a fresh
 /// control block) before it is mapped; anything else fails the handshake
 /// with `errc::protocol_error`. The peer's pid is the kernel's
-/// (`SO_PEERCRED`), not what its hello says.
+/// (`SO_PEERCRED`), not what its hello says. Then each side tries to read a
+/// word of the peer's memory whose address and value the peer's hello gave
+/// (`process_vm_readv`), and tells the peer whether it could (one byte
+/// each way): a side whose peer can read it sends its large payloads as
+/// addresses (`endpoint_options::single_copy_threshold`).
 ///
 /// Each step (connect or accept, the hello out, the hello in) is bounded by
 /// the `op_options` given: `timeout` each, `stop` throughout.
@@ -28,6 +32,8 @@
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/uio.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -95,9 +101,11 @@ struct hello_msg {
   std::uint64_t ring_bytes;
   std::int32_t pid;
   std::uint32_t reserved;
-  std::uint64_t reserved2;
+  std::uint64_t probe_addr;   // a word of the sender's memory the peer tries to read (0: do not)
+  std::uint64_t probe_value;  // what it holds
+  std::uint64_t single_copy;  // the sender's single_copy_threshold (0: never)
 };
-static_assert(sizeof(hello_msg) == 32);
+static_assert(sizeof(hello_msg) == 48);
 inline constexpr std::uint32_t hello_magic = 0x48524447u;  // "GDRH"
 
 [[noreturn]] inline void fail_errno(const char* what) { throw gdr::error(errno_code(errno), what); }
@@ -159,7 +167,17 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
   parts.bell = fd_handle(::eventfd(0, EFD_CLOEXEC));
   if (!parts.bell.valid()) fail_errno("gdr::shm: eventfd");
 
-  hello_msg mine{hello_magic, 1, ring(parts.tx_segment.get()).capacity(), static_cast<std::int32_t>(::getpid()), 0, 0};
+  std::uint64_t probe = 0;
+  while (probe == 0)
+    if (::getrandom(&probe, sizeof probe, 0) != static_cast<ssize_t>(sizeof probe)) probe = 0x9e3779b97f4a7c15ull;
+  hello_msg mine{hello_magic,
+                 1,
+                 ring(parts.tx_segment.get()).capacity(),
+                 static_cast<std::int32_t>(::getpid()),
+                 0,
+                 o.single_copy_threshold != 0 ? reinterpret_cast<std::uintptr_t>(&probe) : 0,
+                 probe,
+                 o.single_copy_threshold};
   iovec out_iov{&mine, sizeof mine};
   alignas(cmsghdr) char out_ctl[CMSG_SPACE(2 * sizeof(int))]{};
   msghdr out{};
@@ -214,6 +232,32 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
   ucred cred{};
   socklen_t cl = sizeof cred;
   parts.peer_pid = ::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 ? cred.pid : theirs.pid;
+
+  // May this side read the peer's memory? Then the peer may send it
+  // addresses instead of bytes. (`probe` above stays alive until the
+  // peer's verdict on it has come.)
+  std::uint8_t can = 0;
+  if (theirs.probe_addr != 0 && theirs.single_copy != 0) {
+    std::uint64_t v = 0;
+    iovec local{&v, sizeof v};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.probe_addr)), sizeof v};
+    can = ::process_vm_readv(parts.peer_pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof v) &&
+          v == theirs.probe_value;
+  }
+  std::uint8_t heard = 0;
+  iovec can_iov{&can, 1}, heard_iov{&heard, 1};
+  msghdr m1{};
+  m1.msg_iov = &can_iov;
+  m1.msg_iovlen = 1;
+  msghdr m2{};
+  m2.msg_iov = &heard_iov;
+  m2.msg_iovlen = 1;
+  if (co_await unix_call(s, oo, unix_call::kind::sendmsg, sock.get(), &m1) != 1 ||
+      co_await unix_call(s, oo, unix_call::kind::recvmsg, sock.get(), &m2) != 1 || heard > 1)
+    throw gdr::error(make_error_code(errc::protocol_error), "gdr::shm: the handshake's second step failed");
+  parts.i_read_peer = can != 0;
+  parts.peer_single_copy = can != 0 ? static_cast<std::size_t>(theirs.single_copy) : 0;
+  parts.peer_reads_me = heard != 0 && o.single_copy_threshold != 0;
   parts.sock = std::move(sock);
   co_return parts;
 }

@@ -26,6 +26,16 @@
 /// room waits for the reader to give it back (the loop polls the ring; a
 /// sleeping writer sets its flag and the reader rings its bell).
 ///
+/// Single copy. A payload of `endpoint_options::single_copy_threshold` bytes
+/// or more goes into the ring as its address only (8 bytes after the
+/// header), where the handshake found that the peer may read this process:
+/// the reader copies it straight from the writer's memory into its place
+/// (`process_vm_readv`), then counts it in the ring's `copied`. The writer
+/// keeps such a frame, and every frame written after it, on its `sent_`
+/// list until the count says the reader has copied it: frames complete in
+/// order, and a payload's memory is the sender's again only once the peer
+/// is done reading it.
+///
 /// Reader. The connection is one of its scheduler's pollers: each loop
 /// iteration it looks at the peer's ring, and copies what arrived: a header
 /// goes to the engine (`on_header`), which says where its payload goes, and
@@ -91,6 +101,9 @@ struct link_parts {
   fd_handle bell;       ///< this side's eventfd (read while sleeping)
   fd_handle peer_bell;  ///< the peer's (written to wake it)
   int peer_pid = 0;
+  bool peer_reads_me = false;        ///< this side's large payloads go as addresses
+  bool i_read_peer = false;          ///< the peer's large payloads come as addresses...
+  std::size_t peer_single_copy = 0;  ///< ... from this size on
 };
 
 /// One shared-memory link: the transport under a protocol engine. See the
@@ -107,6 +120,8 @@ class connection final : public proto::engine {
       : engine(s, reg, o.protocol, stats_, proto::caps::host), parts_(std::move(p)), opts_(o) {
     tx_ = ring(parts_.tx_segment.get());
     rx_ = ring(parts_.rx_segment.get());
+    stats_.peer_reads_me = parts_.peer_reads_me;
+    stats_.reads_peer = parts_.i_read_peer && parts_.peer_single_copy != 0;
     poller_.self = this;
     bell_op_.self = this;
     bell_op_.complete = &on_bell;
@@ -146,7 +161,7 @@ class connection final : public proto::engine {
     const char* name() const noexcept override { return "shm-ring"; }
   };
   /// Which list holds a posted frame (`frame::where`).
-  enum where_t : std::uint8_t { nowhere = 0, in_tx = 1, in_done = 2, in_dropped = 3 };
+  enum where_t : std::uint8_t { nowhere = 0, in_tx = 1, in_done = 2, in_dropped = 3, in_sent = 4 };
   /// Where the reader is putting the current payload.
   struct rx_target {
     bool active = false;
@@ -190,7 +205,7 @@ class connection final : public proto::engine {
   }
   bool link_quiet() const noexcept override {
     return !ending_ && !bell_inflight_ && !watch_inflight_ && !linger_inflight_ && !kick_posted_ &&
-           done_.empty() && dropped_.empty();
+           done_.empty() && dropped_.empty() && sent_.empty();
   }
   void link_release() noexcept override;
   transfer_path link_rx_path(bool) const noexcept override { return transfer_path::shared_memory; }
@@ -202,6 +217,25 @@ class connection final : public proto::engine {
   /// an event handler, where finished frames complete at once; else they
   /// complete from the loop (kick).
   void write_some(bool in_event) noexcept;
+  /// Does `f` go as its payload's address (see "Single copy")?
+  bool single_copy_out(const frame& f) const noexcept {
+    return parts_.peer_reads_me && f.hdr.length != 0 && f.hdr.length >= opts_.single_copy_threshold;
+  }
+  /// Does the peer's frame with header `h` come as an address?
+  bool single_copy_in(const proto::header& h) const noexcept {
+    return parts_.i_read_peer && parts_.peer_single_copy != 0 && h.length != 0 && h.length >= parts_.peer_single_copy;
+  }
+  /// Bytes `f` takes in the ring.
+  std::size_t ring_bytes(const frame& f) const noexcept {
+    return wire::header_size + (single_copy_out(f) ? sizeof(std::uint64_t) : static_cast<std::size_t>(f.hdr.length));
+  }
+  /// A frame is in the ring: done now, or once the single-copy frames before
+  /// it (and itself) are copied. Its `seq` (its wire number is in
+  /// `encoded` by then) becomes the count of single-copy frames written up
+  /// to it.
+  void written(frame& f, bool in_event) noexcept;
+  /// Completes the frames of `sent_` the reader has copied.
+  void settle_copied(bool in_event) noexcept;
   void seal(frame& f) noexcept {
     f.seq = tx_seq_++;
     gdr::tcp::encode_frame(f.hdr, f.seq, f.encoded);
@@ -227,7 +261,13 @@ class connection final : public proto::engine {
   /// Reads what the peer's ring holds: headers to the engine, payloads to
   /// their places (or dropped while ending). Inside an event.
   void pump() noexcept;
-  bool parse_one() noexcept;
+  /// Takes the header at the reader's position (`avail` bytes readable);
+  /// false: stop pumping (paused, failed, or a single-copy frame's address
+  /// not there yet).
+  bool parse_one(std::size_t& avail) noexcept;
+  /// Copies a single-copy payload from the peer's memory (`from`) into its
+  /// place, then counts it as copied. False: the connection failed.
+  bool copy_from_peer(const proto::rx_plan& plan, std::uint64_t from) noexcept;
   void target_done() noexcept {
     rx_target t = std::exchange(tgt_, rx_target{});
     skip_ = t.discard;
@@ -297,6 +337,9 @@ class connection final : public proto::engine {
   proto::fifo<frame, &frame::prev, &frame::next> txq_{};
   proto::fifo<frame, &frame::prev, &frame::next> done_{};     // written outside an event: complete from the loop
   proto::fifo<frame, &frame::prev, &frame::next> dropped_{};  // never written (failed)
+  proto::fifo<frame, &frame::prev, &frame::next> sent_{};     // written, waiting for the reader's copies
+  std::uint32_t copies_out_ = 0;  // single-copy frames written
+  std::uint64_t copied_seen_ = 0;  // the reader's count when last read
   std::uint32_t tx_seq_ = 0;
   bool held_ = false;            // the constructor's hello and credit: written together
   bool write_deferred_ = false;  // frames posted in a handler, written at its end

@@ -8,6 +8,7 @@
 #include <liburing.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -49,6 +50,7 @@ inline bool connection::link_withdraw(frame& f) noexcept {
     case in_tx: txq_.erase(&f); break;
     case in_done: done_.erase(&f); break;
     case in_dropped: dropped_.erase(&f); break;
+    case in_sent: sent_.erase(&f); break;
     default: return false;
   }
   f.where = nowhere;
@@ -66,16 +68,24 @@ inline void connection::write_some(bool in_event) noexcept {
     if (take_waiter(tx_.control().reader_waiting)) ring_peer();
   };
   while (frame* f = txq_.head) {
-    const std::size_t total = wire::header_size + static_cast<std::size_t>(f->hdr.length);
-    std::size_t room = tx_.room();
+    const bool single = single_copy_out(*f);
+    const std::size_t total = ring_bytes(*f);
+    std::size_t room = tx_.room(total - f->written);
     if (room == 0) break;
     if (!f->sealed) seal(*f);
     while (f->written < total) {
-      if (room == 0 && (room = tx_.room()) == 0) break;
+      if (room == 0 && (room = tx_.room(total - f->written)) == 0) break;
       std::size_t n;
       if (f->written < wire::header_size) {
         n = std::min(room, wire::header_size - f->written);
         tx_.put(f->encoded + f->written, n);
+      } else if (single) {
+        // The payload's address, for the reader to copy from.
+        std::byte a[sizeof(std::uint64_t)];
+        const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(f->payload));
+        std::memcpy(a, &addr, sizeof a);
+        n = std::min(room, total - f->written);
+        tx_.put(a + (f->written - wire::header_size), n);
       } else {
         n = std::min({room, total - f->written, piece});
         tx_.put(f->payload + (f->written - wire::header_size), n);
@@ -90,6 +100,37 @@ inline void connection::write_some(bool in_event) noexcept {
     if (f->written < total) break;  // the ring is full
     txq_.erase(f);
     ++stats_.frames_out;
+    written(*f, in_event);
+  }
+  if (unpublished) publish();
+  tx_blocked_ = !txq_.empty();
+  if (tx_blocked_ && !was_blocked) ++stats_.ring_full;
+}
+
+inline void connection::written(frame& f, bool in_event) noexcept {
+  const bool single = single_copy_out(f);
+  if (single || !sent_.empty()) {
+    f.seq = single ? ++copies_out_ : copies_out_;
+    f.where = in_sent;
+    sent_.push_back(&f);
+    return;
+  }
+  if (in_event) {
+    f.where = nowhere;
+    on_sent(f, {});
+  } else {
+    f.where = in_done;
+    done_.push_back(&f);
+    kick();
+  }
+}
+
+inline void connection::settle_copied(bool in_event) noexcept {
+  copied_seen_ = tx_.control().copied.load(std::memory_order_acquire);
+  const auto copied = static_cast<std::uint32_t>(copied_seen_);
+  while (frame* f = sent_.head) {
+    if (static_cast<std::int32_t>(f->seq - copied) > 0) break;  // not yet (counts mod 2^32)
+    sent_.pop_front();
     if (in_event) {
       f->where = nowhere;
       on_sent(*f, {});
@@ -99,13 +140,13 @@ inline void connection::write_some(bool in_event) noexcept {
       kick();
     }
   }
-  if (unpublished) publish();
-  tx_blocked_ = !txq_.empty();
-  if (tx_blocked_ && !was_blocked) ++stats_.ring_full;
 }
 
 inline void connection::drop_unsent() noexcept {
   while (frame* f = txq_.pop_front()) drop(*f);
+  // Written, the peer's copies not counted: the connection is over (the
+  // close frame, last, completes only after them).
+  while (frame* f = sent_.pop_front()) drop(*f);
   tx_blocked_ = false;
   if (!dropped_.empty()) kick();
 }
@@ -123,7 +164,32 @@ inline void connection::return_finished() noexcept {
 
 // ------------------------------------------------------------------ reader
 
-inline bool connection::parse_one() noexcept {
+inline bool connection::copy_from_peer(const proto::rx_plan& plan, std::uint64_t from) noexcept {
+  std::size_t done = 0;
+  while (done < plan.want) {
+    iovec local{plan.dst + done, plan.want - done};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(from + done)), plan.want - done};
+    ssize_t n = ::process_vm_readv(parts_.peer_pid, &local, 1, &remote, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      // EFAULT: an address the peer does not have (a malformed frame);
+      // ESRCH, EPERM: the peer is gone, or no longer readable.
+      if (n < 0 && errno == EFAULT) protocol_fail(gdr::tcp::frame_status::bad_field);
+      else on_link_failed(errc::connection_lost);
+      return false;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  ++stats_.single_copies;
+  auto& copied = rx_.control().copied;
+  copied.store(copied.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  skip_ = 0;
+  on_placed(true);
+  if (take_waiter(rx_.control().writer_waiting)) ring_peer();
+  return !failed();
+}
+
+inline bool connection::parse_one(std::size_t& avail) noexcept {
   std::byte h[wire::header_size];
   rx_.peek(h, 0, wire::header_size);
   gdr::tcp::frame_parse_result r = gdr::tcp::parse_frame(std::span<const std::byte>(h), options().max_message);
@@ -135,6 +201,12 @@ inline bool connection::parse_one() noexcept {
     protocol_fail(gdr::tcp::frame_status::bad_field);  // out of step
     return false;
   }
+  const bool single = single_copy_in(r.header);
+  if (single && avail < wire::header_size + sizeof(std::uint64_t)) return false;  // its address comes with it: soon
+  // The peer counted its copies of this side's payloads before it wrote
+  // this frame: take them first (a close frame must not fail a send whose
+  // bytes the peer already has).
+  if (!sent_.empty()) settle_copied(true);
   proto::rx_plan plan = on_header(r.header);
   switch (plan.act) {
     case proto::rx_plan::action::pause:
@@ -145,9 +217,17 @@ inline bool connection::parse_one() noexcept {
       return false;
     case proto::rx_plan::action::place: break;
   }
-  rx_.consume(wire::header_size);
   ++rx_seq_;
   ++stats_.frames_in;
+  if (single) {
+    std::uint64_t from = 0;
+    rx_.peek(reinterpret_cast<std::byte*>(&from), wire::header_size, sizeof from);
+    rx_.consume(wire::header_size + sizeof from);
+    avail -= wire::header_size + sizeof from;
+    return copy_from_peer(plan, from);
+  }
+  rx_.consume(wire::header_size);
+  avail -= wire::header_size;
   if (r.header.type == proto::msg::close) saw_close_ = true;
   tgt_ = {};
   tgt_.active = true;
@@ -213,9 +293,10 @@ inline void connection::pump() noexcept {
       }
       continue;
     }
-    if (!parse_one()) break;
-    avail -= wire::header_size;
-    took = true;
+    const std::size_t before = avail;
+    const bool go_on = parse_one(avail);
+    took = took || avail != before;
+    if (!go_on) break;
   }
   if (corrupt && !failed()) protocol_fail(gdr::tcp::frame_status::bad_field);
   if (took) give_back();
@@ -233,8 +314,9 @@ inline bool connection::unread_ends_with_close() const noexcept {
     gdr::tcp::frame_parse_result r = gdr::tcp::parse_frame(std::span<const std::byte>(h), options().max_message);
     if (r.status != gdr::tcp::frame_status::ok) return false;
     close_last = r.header.type == proto::msg::close;
-    if (r.header.length > avail - at - wire::header_size) return false;  // cut off in its payload
-    at += wire::header_size + static_cast<std::size_t>(r.header.length);
+    const std::uint64_t body = single_copy_in(r.header) ? sizeof(std::uint64_t) : r.header.length;
+    if (body > avail - at - wire::header_size) return false;  // cut off in its payload
+    at += wire::header_size + static_cast<std::size_t>(body);
   }
   return at == avail && close_last;
 }
@@ -246,9 +328,12 @@ inline poll_status connection::poll_ring() noexcept {
   bool corrupt = false;
   const bool rx_ready = reading() && (rx_.readable(corrupt) != 0 || corrupt);
   const bool tx_ready = tx_blocked_ && !failed() && tx_.room() != 0;
-  if (rx_ready || tx_ready) {
+  const bool copies_ready =
+      !sent_.empty() && tx_.control().copied.load(std::memory_order_relaxed) != copied_seen_;
+  if (rx_ready || tx_ready || copies_ready) {
     {
       proto::event_scope ev(*this);
+      if (copies_ready) settle_copied(true);
       if (rx_ready) pump();
       if (tx_blocked_) write_some(true);
     }  // may have freed this
@@ -261,11 +346,14 @@ inline poll_status connection::poll_ring() noexcept {
 inline poll_status connection::arm() noexcept {
   const bool want_rx = reading();
   const bool want_tx = tx_blocked_ && !failed();
-  if (!want_rx && !want_tx) return {};
+  const bool want_copies = !sent_.empty() && !failed();
+  if (!want_rx && !want_tx && !want_copies) return {};
   if (want_rx) announce_wait(rx_.control().reader_waiting);
-  if (want_tx) announce_wait(tx_.control().writer_waiting);
+  if (want_tx || want_copies) announce_wait(tx_.control().writer_waiting);
   bool corrupt = false;
-  if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && tx_.room() != 0)) return {.did_work = true};
+  if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && tx_.room() != 0) ||
+      (want_copies && tx_.control().copied.load(std::memory_order_relaxed) != copied_seen_))
+    return {.did_work = true};
   arm_bell();
   if (!bell_inflight_) return {.sleep_bound = std::chrono::milliseconds(1)};  // no SQE: look again soon
   return {};
@@ -296,6 +384,7 @@ inline void connection::on_kick(remote_work* w) noexcept {
   proto::event_scope ev(*c);
   c->kick_posted_ = false;
   c->return_finished();
+  if (!c->sent_.empty()) c->settle_copied(true);
   if (c->reading()) c->pump();
   if (c->tx_blocked_) c->write_some(true);
   c->on_io_done();

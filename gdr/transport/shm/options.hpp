@@ -36,6 +36,15 @@ struct endpoint_options {
   /// close frame, for the peer's end before it drops the connection. A
   /// close's own timeout, if shorter, bounds it first.
   std::chrono::milliseconds close_linger{2000};
+  /// A frame whose payload reaches this size travels as its header and the
+  /// payload's address: the peer copies the bytes straight from this
+  /// process's memory into theirs (`process_vm_readv`: one copy instead of
+  /// two through the ring), and the frame is done once it has. Used only
+  /// where the handshake found that the peer may read this process (the
+  /// same user, and no ptrace restriction in between, e.g. Yama's
+  /// `ptrace_scope` 1 between sibling processes); else everything goes
+  /// through the ring. 0: never.
+  std::size_t single_copy_threshold = 64 * 1024;
 };
 
 /// Counters of one endpoint: the protocol layer's, and the transport's.
@@ -45,6 +54,9 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t ring_full = 0;    ///< times a write stopped for lack of room
   std::uint64_t bells_rung = 0;   ///< times this side woke the sleeping peer (an eventfd write)
   std::uint64_t bell_waits = 0;   ///< times this side armed its bell to sleep
+  std::uint64_t single_copies = 0;  ///< payloads this side copied straight from the peer's memory
+  bool peer_reads_me = false;       ///< the peer copies this side's large payloads itself (see single_copy_threshold)
+  bool reads_peer = false;          ///< this side copies the peer's large payloads itself
 };
 
 /// A file descriptor, closed on destruction.
