@@ -335,3 +335,39 @@ TEST_CASE("a listener on a path makes a socket file and removes it when closed")
   }
   CHECK_FALSE(std::filesystem::exists(path));
 }
+
+TEST_CASE("a peer that closes right after receiving large messages never fails the sends it received") {
+  // The receiver copies each large payload straight from the sender's
+  // memory (where it may read it) and counts the copy in the ring; the
+  // sender completes the send when it sees the count. The receiver closes as
+  // soon as its last receive completes: the sender must take the count
+  // before it handles the close frame, or it fails a send whose bytes were
+  // delivered (a bug the first version had).
+  gdr_test_support::watchdog dog(120);
+  for (gdr::run_mode mode : {gdr::run_mode::busy_poll, gdr::run_mode::sleep}) {
+    CAPTURE(static_cast<int>(mode));
+    for (int round = 0; round < 5; ++round) {
+      int pipe_w = -1;
+      pid_t pid = fork_peer(pipe_w, mode, [](shm::endpoint& ep) -> gdr::task<bool> {
+        std::vector<std::byte> in(1u << 20);
+        for (int i = 0; i < 20; ++i)
+          if (co_await ep.recv(bytes_of(in)) != in.size()) co_return false;
+        co_return true;  // fork_peer closes at once
+      });
+      gdr::scheduler s({.mode = mode});
+      shm::listener l(s);
+      send_name(pipe_w, l.name());
+      int failed = 0;
+      gdr::sync_wait(s, [&]() -> gdr::task<> {
+        shm::endpoint ep = co_await l.accept();
+        auto big = pattern(1u << 20, 5);
+        for (int i = 0; i < 20; ++i)
+          if ((co_await report_of(ep.send(cbytes_of(big)))).error) ++failed;
+        co_await report_of(ep.close());
+      }());
+      s.drain();
+      CHECK(failed == 0);
+      CHECK(wait_exit(pid) == 0);
+    }
+  }
+}
