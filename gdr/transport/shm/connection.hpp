@@ -343,6 +343,7 @@ class connection final : public proto::engine {
   std::uint32_t tx_seq_ = 0;
   bool held_ = false;            // the constructor's hello and credit: written together
   bool write_deferred_ = false;  // frames posted in a handler, written at its end
+  bool close_written_ = false;   // this side's close frame is in the ring
   bool tx_blocked_ = false;      // frames wait for room in the ring
 
   // reader

@@ -109,6 +109,7 @@ inline void connection::write_some(bool in_event) noexcept {
 
 inline void connection::written(frame& f, bool in_event) noexcept {
   const bool single = single_copy_out(f);
+  if (f.hdr.type == proto::msg::close) close_written_ = true;
   if (single || !sent_.empty()) {
     f.seq = single ? ++copies_out_ : copies_out_;
     f.where = in_sent;
@@ -412,10 +413,17 @@ inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept 
       c->pump();
       c->end_done();
     } else if (c->live_ && !c->failed()) {
-      // What the peer wrote before it ended is still in the ring.
+      // The copies the peer counted before it ended, and what it wrote
+      // (still in the ring).
+      if (!c->sent_.empty()) c->settle_copied(true);
       if (c->reading()) c->pump();
-      if (!c->failed() && !c->saw_close_ && !(c->rx_paused_ && c->unread_ends_with_close()))
-        c->on_link_failed(errc::connection_lost);
+      // An orderly end: the peer's close frame came (or is in what the
+      // paused reader has not read), or this side's close frame is out and
+      // the peer copied everything before it (its end answers the close;
+      // this side's close goes on to link_close, which finds it gone).
+      const bool orderly = c->saw_close_ || (c->close_written_ && c->sent_.empty()) ||
+                           (c->rx_paused_ && c->unread_ends_with_close());
+      if (!c->failed() && !orderly) c->on_link_failed(errc::connection_lost);
     }
   }
   c->return_finished();
