@@ -34,7 +34,9 @@
 /// keeps such a frame, and every frame written after it, on its `sent_`
 /// list until the count says the reader has copied it: frames complete in
 /// order, and a payload's memory is the sender's again only once the peer
-/// is done reading it.
+/// is done reading it: counted, or, when the connection ends before, once
+/// the peer has ended (a shut-down connection ends only its own half and
+/// waits for the peer's hang-up, at most `close_linger`).
 ///
 /// Reader. The connection is one of its scheduler's pollers: each loop
 /// iteration it looks at the peer's ring, and copies what arrived: a header
@@ -246,6 +248,14 @@ class connection final : public proto::engine {
     dropped_.push_back(&f);
   }
   void drop_unsent() noexcept;
+  /// The frames of `sent_` will not be copied (the peer ended, or the
+  /// bound passed): they complete with the connection's error.
+  void release_sent() noexcept;
+  /// How long a shut-down connection holds payloads the peer may still be
+  /// copying, waiting for its end.
+  std::chrono::milliseconds hold_bound() const noexcept {
+    return opts_.close_linger.count() > 0 ? opts_.close_linger : std::chrono::milliseconds(2000);
+  }
   /// Hands back the frames done outside an event and those dropped.
   void return_finished() noexcept;
   /// Rings the peer's bell (it sleeps waiting for bytes or room).
@@ -310,7 +320,7 @@ class connection final : public proto::engine {
       sched().cancel(&bell_op_);
     }
   }
-  void arm_linger() noexcept;
+  void arm_linger(std::chrono::milliseconds bound) noexcept;
   void end_linger() noexcept {
     if (linger_inflight_ && !linger_cancelled_) {
       linger_cancelled_ = true;

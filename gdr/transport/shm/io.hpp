@@ -145,10 +145,16 @@ inline void connection::settle_copied(bool in_event) noexcept {
 
 inline void connection::drop_unsent() noexcept {
   while (frame* f = txq_.pop_front()) drop(*f);
-  // Written, the peer's copies not counted: the connection is over (the
-  // close frame, last, completes only after them).
-  while (frame* f = sent_.pop_front()) drop(*f);
   tx_blocked_ = false;
+  // Written, the peer's copies not counted: their memory is the sender's
+  // again only once the peer has ended (it copies inside its loop, and its
+  // loop ends its socket before it stops), or the bound has passed.
+  if (peer_gone_) release_sent();
+  if (!dropped_.empty()) kick();
+}
+
+inline void connection::release_sent() noexcept {
+  while (frame* f = sent_.pop_front()) drop(*f);
   if (!dropped_.empty()) kick();
 }
 
@@ -426,6 +432,7 @@ inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept 
       if (!c->failed() && !orderly) c->on_link_failed(errc::connection_lost);
     }
   }
+  if (c->peer_gone_ && (c->failed() || !c->live_)) c->release_sent();
   c->return_finished();
   c->on_io_done();
 }
@@ -441,11 +448,20 @@ inline void connection::end_done() noexcept {
 inline void connection::link_shutdown() noexcept {
   rx_paused_ = false;
   ending_ = false;
-  end_linger();
-  // The peer sees the hang-up at once; this side's watch returns too.
-  if (parts_.sock.valid()) ::shutdown(parts_.sock.get(), SHUT_RDWR);
   live_ = false;
   cancel_bell();
+  if (!sent_.empty() && !peer_gone_ && watch_inflight_ && parts_.sock.valid()) {
+    // The peer may be copying from the payloads of `sent_`: end this side's
+    // half only (the peer sees the hang-up at once and stops), and release
+    // them at the peer's end (the watch) or after the bound (the linger
+    // timer, which then shuts both halves).
+    ::shutdown(parts_.sock.get(), SHUT_WR);
+    if (!linger_inflight_) arm_linger(hold_bound());
+  } else {
+    end_linger();
+    // The peer sees the hang-up at once; this side's watch returns too.
+    if (parts_.sock.valid()) ::shutdown(parts_.sock.get(), SHUT_RDWR);
+  }
   drop_unsent();
 }
 
@@ -459,7 +475,7 @@ inline bool connection::link_close() noexcept {
     end_done();
     return true;
   }
-  arm_linger();
+  arm_linger(opts_.close_linger);
   kick();  // read and drop what the peer still writes
   return true;
 }
@@ -475,11 +491,11 @@ inline void connection::link_release() noexcept {
   parts_.sock.reset();
 }
 
-inline void connection::arm_linger() noexcept {
-  if (opts_.close_linger.count() <= 0) return;
+inline void connection::arm_linger(std::chrono::milliseconds bound) noexcept {
+  if (bound.count() <= 0) return;
   io_uring_sqe* sqe = sched().get_sqe();
   if (sqe == nullptr) return;  // the close's own timeout bounds the end
-  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(opts_.close_linger).count();
+  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count();
   linger_ts_.tv_sec = ns / 1000000000;
   linger_ts_.tv_nsec = ns % 1000000000;
   io_uring_prep_timeout(sqe, &linger_ts_, 0, 0);
@@ -493,9 +509,9 @@ inline void connection::on_linger(operation* o, int, std::uint32_t) noexcept {
   proto::event_scope ev(*c);
   c->linger_inflight_ = false;
   c->linger_cancelled_ = false;
-  // Still ending: the peer did not end in time. Both halves down: the
-  // watch returns and ends it.
-  if (c->ending_ && c->parts_.sock.valid()) ::shutdown(c->parts_.sock.get(), SHUT_RDWR);
+  // Still ending, or still holding payloads the peer might copy: the peer
+  // did not end in time. Both halves down: the watch returns and ends it.
+  if ((c->ending_ || !c->sent_.empty()) && c->parts_.sock.valid()) ::shutdown(c->parts_.sock.get(), SHUT_RDWR);
   c->on_io_done();
 }
 
