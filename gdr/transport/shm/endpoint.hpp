@@ -14,14 +14,19 @@
 ///   co_await ep.send(gdr::host_view(out));
 /// \endcode
 ///
-/// Paths (`last_path()`, `stats().by_path`): every host byte goes through
-/// the rings, `transfer_path::shared_memory`: the sender's CPU copies it
-/// into the ring it writes, the receiver's CPU copies it out into the view
-/// (or into the store of early messages, when no receive is posted yet: one
-/// copy more when it comes). No system call moves a byte: in busy-poll mode
-/// a message costs no system call at all; a sleeping peer is woken by one
-/// eventfd write. `Device` memory is staged through pinned bounce buffers on
-/// the side that owns it, as on TCP.
+/// Paths (`last_path()`, `stats().by_path`): `transfer_path::shared_memory`.
+/// A payload below `endpoint_options::single_copy_threshold` (64 KiB) goes
+/// through the rings: the sender's CPU copies it into the ring it writes,
+/// the receiver's CPU copies it out into the view (or into the store of
+/// early messages, when no receive is posted yet: one copy more when it
+/// comes); no system call moves it, and in busy-poll mode a message costs
+/// none at all (a sleeping peer is woken by one eventfd write). A larger
+/// payload is copied once, by the receiver, straight from the sender's
+/// memory (`process_vm_readv`), where the handshake found the peer may
+/// read this process (`stats().peer_reads_me`; not across a ptrace
+/// restriction such as Yama's `ptrace_scope` 1 between sibling processes,
+/// where it goes through the rings). `Device` memory is staged through
+/// pinned bounce buffers on the side that owns it, as on TCP.
 ///
 /// Liveness. The peer's process ending, killed or not, closes its Unix
 /// socket: every pending and later operation fails with
