@@ -95,15 +95,21 @@ class endpoint : public basic_endpoint<transport> {
       using gdr::detail::proto::size_text;
       if (device) return gdr::detail::proto::staged_note(o->protocol);
       const std::string t = size_text(o->protocol.rendezvous_threshold);
+      const std::string once =
+          o->single_copy_threshold == 0
+              ? std::string("; every payload through the rings (single copy off)")
+              : "; payloads from " + size_text(o->single_copy_threshold) +
+                    " copied once by the peer straight from this process's memory, where the handshake finds it may";
       switch (k) {
         case op_kind::send:
           return "up to " + t + " eager, above rendezvous (rts, rtr, then your bytes): copied by this CPU into the "
-                 "shared ring (shared-memory)";
+                 "shared ring (shared-memory)" + once;
         case op_kind::recv:
-          return "copied out of the peer's ring into the view (shared-memory); a message that came before its "
-                 "receive was kept in the early store and is copied once more";
-        case op_kind::put: return "your bytes copied into the ring after the request; the target copies them out";
-        case op_kind::get: return "the answer copied out of the peer's ring into your view";
+          return "copied out of the peer's ring into the view, or from the peer's memory when it sends large "
+                 "payloads as addresses (shared-memory); a message that came before its receive was kept in the "
+                 "early store and is copied once more";
+        case op_kind::put: return "your bytes copied into the ring after the request; the target copies them out" + once;
+        case op_kind::get: return "the answer copied out of the peer's ring (or its memory) into your view";
       }
       return {};
     }
