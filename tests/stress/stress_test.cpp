@@ -109,6 +109,25 @@ TEST_CASE("seeds the long runs found hold over shared memory: the peer's end ans
   run_seeds({transport_kind::shm}, {5246, 5254, 5644});
 }
 
+TEST_CASE("seeds the long runs found hold over shared memory: committed frames, copies the peer will never make") {
+  // A frame whole in the ring (done, or behind a payload the peer copies)
+  // was withdrawn after this side failed, so a send reported timed_out or
+  // cancelled while the peer, which reads what was written before the end,
+  // received it (order failures: 10177, 100610, 103609, 103759). A peer in
+  // its orderly end drops what it reads without copying, so payloads it
+  // would copy held this side's bounce buffers, and its reader's pause,
+  // until the connection's bound (103639, hang-tx-slots). Found on 16 cores.
+  run_seeds({transport_kind::shm}, {10177, 100610, 103609, 103639, 103759});
+}
+
+TEST_CASE("seeds the long runs found hold over shared memory: a close aborted while the peer could still copy") {
+  // A shut-down connection holds payloads the peer may be copying until
+  // the peer's end; the end came, the payloads were released, but the
+  // linger timer that bounded the hold kept the connection from being
+  // quiet, so the close took 2 s after the peer was killed (kill-slow).
+  run_seeds({transport_kind::shm_kill}, {10087, 10117, 100960, 101840, 102023, 102188});
+}
+
 TEST_CASE("a TCP peer process SIGKILLed at a random moment fails the survivor's operations in bounded time") {
   run_seeds({transport_kind::tcp_kill});
 }

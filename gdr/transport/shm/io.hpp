@@ -45,12 +45,19 @@ inline void connection::link_post(frame& f) noexcept {
 
 inline bool connection::link_withdraw(frame& f) noexcept {
   if (!f.queued) return false;
-  if (f.sealed && !failed()) return false;  // some of it is in the ring
   switch (f.where) {
-    case in_tx: txq_.erase(&f); break;
-    case in_done: done_.erase(&f); break;
+    case in_tx:
+      // Some of it in the ring: committed, unless the connection failed
+      // (the peer never reads a frame cut short).
+      if (f.sealed && !failed()) return false;
+      txq_.erase(&f);
+      break;
     case in_dropped: dropped_.erase(&f); break;
-    case in_sent: sent_.erase(&f); break;
+    // Whole in the ring (done, or waiting for the peer's copies): the peer
+    // reads it even after this side failed (what a peer wrote before it
+    // ended is read), so it is committed whatever happens.
+    case in_done:
+    case in_sent:
     default: return false;
   }
   f.where = nowhere;
@@ -127,7 +134,7 @@ inline void connection::written(frame& f, bool in_event) noexcept {
 }
 
 inline void connection::settle_copied(bool in_event) noexcept {
-  copied_seen_ = tx_.control().copied.load(std::memory_order_acquire);
+  copied_seen_ = tx_.control().copied.load(std::memory_order_seq_cst);
   const auto copied = static_cast<std::uint32_t>(copied_seen_);
   while (frame* f = sent_.head) {
     if (static_cast<std::int32_t>(f->seq - copied) > 0) break;  // not yet (counts mod 2^32)
@@ -165,7 +172,7 @@ inline void connection::return_finished() noexcept {
   }
   while (frame* f = dropped_.pop_front()) {
     f->where = nowhere;
-    on_sent(*f, failed() ? error() : make_error_code(errc::closed));
+    on_sent(*f, failed() ? error() : make_error_code(peer_gone_ ? errc::peer_closed : errc::closed));
   }
 }
 
@@ -189,7 +196,7 @@ inline bool connection::copy_from_peer(const proto::rx_plan& plan, std::uint64_t
   }
   ++stats_.single_copies;
   auto& copied = rx_.control().copied;
-  copied.store(copied.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  copied.store(copied.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
   skip_ = 0;
   on_placed(true);
   if (take_waiter(rx_.control().writer_waiting)) ring_peer();
@@ -336,7 +343,7 @@ inline poll_status connection::poll_ring() noexcept {
   const bool rx_ready = reading() && (rx_.readable(corrupt) != 0 || corrupt);
   const bool tx_ready = tx_blocked_ && !failed() && tx_.room() != 0;
   const bool copies_ready =
-      !sent_.empty() && tx_.control().copied.load(std::memory_order_relaxed) != copied_seen_;
+      !sent_.empty() && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_;
   if (rx_ready || tx_ready || copies_ready) {
     {
       proto::event_scope ev(*this);
@@ -359,7 +366,7 @@ inline poll_status connection::arm() noexcept {
   if (want_tx || want_copies) announce_wait(tx_.control().writer_waiting);
   bool corrupt = false;
   if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && tx_.room() != 0) ||
-      (want_copies && tx_.control().copied.load(std::memory_order_relaxed) != copied_seen_))
+      (want_copies && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_))
     return {.did_work = true};
   arm_bell();
   if (!bell_inflight_) return {.sleep_bound = std::chrono::milliseconds(1)};  // no SQE: look again soon
@@ -422,17 +429,25 @@ inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept 
       // The copies the peer counted before it ended, and what it wrote
       // (still in the ring).
       if (!c->sent_.empty()) c->settle_copied(true);
+      const bool all_copied = c->sent_.empty();
       if (c->reading()) c->pump();
       // An orderly end: the peer's close frame came (or is in what the
       // paused reader has not read), or this side's close frame is out and
       // the peer copied everything before it (its end answers the close;
       // this side's close goes on to link_close, which finds it gone).
-      const bool orderly = c->saw_close_ || (c->close_written_ && c->sent_.empty()) ||
+      const bool orderly = c->saw_close_ || (c->close_written_ && all_copied) ||
                            (c->rx_paused_ && c->unread_ends_with_close());
       if (!c->failed() && !orderly) c->on_link_failed(errc::connection_lost);
     }
+    // The peer ended its half: it copies nothing more from this side (a
+    // side ends its socket before it stops, and copies nothing after), so
+    // what it did not copy is released, and the bounce buffers and the
+    // reader's pause that waited on those frames go on.
+    c->release_sent();
+    // A shut-down connection that held them for the peer's end (the linger
+    // timer as its bound) has nothing left to wait for.
+    if (!c->live_ && !c->ending_) c->end_linger();
   }
-  if (c->peer_gone_ && (c->failed() || !c->live_)) c->release_sent();
   c->return_finished();
   c->on_io_done();
 }

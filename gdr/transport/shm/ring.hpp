@@ -32,9 +32,12 @@
 /// waiting flag, then looks again; the other side, after publishing, looks
 /// at the flag and rings the bell if it was set. A full fence between the
 /// store and the load on each side (Dekker) means that at least one of them
-/// sees the other: no lost wake-up. A side that busy-polls never sets the
-/// flag, so the other side's check is one load of a cache line nobody
-/// writes.
+/// sees the other: no lost wake-up. The fence is the counters' and flags'
+/// sequentially consistent stores and loads (on x86 a store is an `xchg`,
+/// a load a plain load; `atomic_thread_fence` would do the same, but
+/// ThreadSanitizer does not model fences). A side that busy-polls never
+/// sets the flag, so the other side's check is one load of a cache line
+/// nobody writes.
 #pragma once
 
 #include <sys/mman.h>
@@ -149,7 +152,7 @@ class ring {
   std::size_t room(std::size_t want = 1) noexcept {
     std::uint64_t used = pos_ - tail_seen_;
     if (cap_ - used < want) {
-      tail_seen_ = c_->tail.load(std::memory_order_acquire);
+      tail_seen_ = c_->tail.load(std::memory_order_seq_cst);
       used = pos_ - tail_seen_;
     }
     return used > cap_ ? 0 : cap_ - static_cast<std::size_t>(used);
@@ -163,14 +166,14 @@ class ring {
     pos_ += n;
   }
   /// Makes what was put visible to the reader.
-  void publish() noexcept { c_->head.store(pos_, std::memory_order_release); }
+  void publish() noexcept { c_->head.store(pos_, std::memory_order_seq_cst); }
 
   // ---------------------------------------------------------------- the reader's side
 
   /// Bytes readable now (the writer's head, acquire); `corrupt` set when the
   /// head claims more than the ring holds.
   std::size_t readable(bool& corrupt) const noexcept {
-    std::uint64_t n = c_->head.load(std::memory_order_acquire) - pos_;
+    std::uint64_t n = c_->head.load(std::memory_order_seq_cst) - pos_;
     corrupt = n > cap_;
     return corrupt ? 0 : static_cast<std::size_t>(n);
   }
@@ -185,7 +188,7 @@ class ring {
   /// Consumes `n` bytes (after peeking them, or to drop them).
   void consume(std::size_t n) noexcept { pos_ += n; }
   /// Gives the consumed room back to the writer.
-  void release() noexcept { c_->tail.store(pos_, std::memory_order_release); }
+  void release() noexcept { c_->tail.store(pos_, std::memory_order_seq_cst); }
 
   /// The position of this side (bytes written or consumed so far).
   std::uint64_t position() const noexcept { return pos_; }
@@ -199,17 +202,15 @@ class ring {
   std::uint64_t tail_seen_ = 0;  // the writer's: the reader's tail when last read
 };
 
-/// The writer after publishing, or the reader after releasing: should the
-/// other side's bell ring? (`flag`: the other side's waiting flag.)
+/// The writer after publishing, or the reader after releasing (both
+/// sequentially consistent stores): should the other side's bell ring?
+/// (`flag`: the other side's waiting flag.)
 inline bool take_waiter(std::atomic<std::uint32_t>& flag) noexcept {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  return flag.load(std::memory_order_relaxed) != 0 && flag.exchange(0, std::memory_order_relaxed) != 0;
+  return flag.load(std::memory_order_seq_cst) != 0 && flag.exchange(0, std::memory_order_seq_cst) != 0;
 }
 
-/// A side about to sleep: says so, then the caller looks once more.
-inline void announce_wait(std::atomic<std::uint32_t>& flag) noexcept {
-  flag.store(1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-}
+/// A side about to sleep: says so, then the caller looks once more (with
+/// sequentially consistent loads).
+inline void announce_wait(std::atomic<std::uint32_t>& flag) noexcept { flag.store(1, std::memory_order_seq_cst); }
 
 }  // namespace gdr::detail::shm
