@@ -115,6 +115,15 @@ inline std::size_t window(std::size_t size) {
 /// of one gdr_perf, and the harness's free port differs per run.
 inline std::string shm_name(std::uint16_t port) { return "@gdr-perf-" + std::to_string(::getppid()) + "-" + std::to_string(port); }
 
+/// The shm endpoints' options: the defaults, or GDR_PERF_SHM_SINGLE_COPY
+/// (bytes; 0 = every payload through the rings) for experiments.
+inline gdr::shm::endpoint_options shm_options() {
+  gdr::shm::endpoint_options o;
+  if (const char* e = std::getenv("GDR_PERF_SHM_SINGLE_COPY"); e != nullptr && *e != 0)
+    o.single_copy_threshold = std::strtoull(e, nullptr, 10);
+  return o;
+}
+
 /// The passive side: echoes (send, latency), receives and acks (send,
 /// bandwidth), or exposes its memory until the initiator says it is done
 /// (put, get).
@@ -246,7 +255,7 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
         co_await serve<gdr::tcp::endpoint, PS>(ep, sp, size, passive_n, latency);
       }());
     } else if (sp.transport == "shm") {
-      gdr::shm::listener l(sched, shm_name(port));
+      gdr::shm::listener l(sched, shm_name(port), gdr::default_registry(), shm_options());
       ready();
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
         gdr::shm::endpoint ep = co_await l.accept();
@@ -275,7 +284,8 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
       }());
     } else if (sp.transport == "shm") {
       m = gdr::sync_wait(sched, [&]() -> gdr::task<measured> {
-        gdr::shm::endpoint ep = co_await gdr::shm::connect(sched, shm_name(port));
+        gdr::shm::endpoint ep =
+            co_await gdr::shm::connect(sched, shm_name(port), gdr::default_registry(), shm_options());
         co_return co_await drive<gdr::shm::endpoint, LS, PS>(ep, sp, size, n, cfg.warmup, latency);
       }());
     } else {
