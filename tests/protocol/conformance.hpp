@@ -77,21 +77,27 @@ struct tcp_fixture {
 };
 
 /// Shared memory: both ends on one scheduler, in one process (the rings
-/// and the socket are the same as between two).
-struct shm_fixture {
+/// and the socket are the same as between two). `SingleCopy`: payloads from
+/// that size are copied by the receiver from the sender's memory (0: all
+/// through the rings, the default).
+template <std::size_t SingleCopy>
+struct shm_fixture_t {
   using endpoint = gdr::shm::endpoint;
-  static constexpr const char* name = "shm";
+  static constexpr const char* name = SingleCopy == 0 ? "shm" : "shm-single-copy";
   static constexpr gdr::transfer_path bulk_path = gdr::transfer_path::shared_memory;
   static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg,
                                                         gdr::protocol_options a, gdr::protocol_options b) {
     gdr::shm::endpoint_options ea, eb;
     ea.protocol = a;
     eb.protocol = b;
+    ea.single_copy_threshold = eb.single_copy_threshold = SingleCopy;
     gdr::shm::listener l(s, {}, reg, eb);
     auto [x, y] = co_await gdr::when_all(gdr::shm::connect(s, l.name(), reg, ea), l.accept());
     co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));
   }
 };
+using shm_fixture = shm_fixture_t<0>;
+using shm_single_copy_fixture = shm_fixture_t<4096>;
 
 #ifndef CONFORMANCE_VERBS_GPUDIRECT
 #define CONFORMANCE_VERBS_GPUDIRECT 0
@@ -103,7 +109,8 @@ struct shm_fixture {
 #elif CONFORMANCE_VERBS
 #define CONFORMANCE_TRANSPORTS conformance::verbs_fixture
 #else
-#define CONFORMANCE_TRANSPORTS conformance::loopback_fixture, conformance::tcp_fixture, conformance::shm_fixture
+#define CONFORMANCE_TRANSPORTS \
+  conformance::loopback_fixture, conformance::tcp_fixture, conformance::shm_fixture, conformance::shm_single_copy_fixture
 #endif
 
 /// The path of a rendezvous payload placed straight into its receive:

@@ -15,13 +15,15 @@
 /// \endcode
 ///
 /// Paths (`last_path()`, `stats().by_path`): `transfer_path::shared_memory`.
-/// A payload below `endpoint_options::single_copy_threshold` (64 KiB) goes
-/// through the rings: the sender's CPU copies it into the ring it writes,
+/// A payload goes through the rings (below
+/// `endpoint_options::single_copy_threshold`, when that is set; by default
+/// always): the sender's CPU copies it into the ring it writes,
 /// the receiver's CPU copies it out into the view (or into the store of
 /// early messages, when no receive is posted yet: one copy more when it
 /// comes); no system call moves it, and in busy-poll mode a message costs
-/// none at all (a sleeping peer is woken by one eventfd write). A larger
-/// payload is copied once, by the receiver, straight from the sender's
+/// none at all (a sleeping peer is woken by one eventfd write); a large
+/// payload streams through, the two copies overlapping. From the threshold
+/// on, a payload is copied once, by the receiver, straight from the sender's
 /// memory (`process_vm_readv`), where the handshake found the peer may
 /// read this process (`stats().peer_reads_me`; not across a ptrace
 /// restriction such as Yama's `ptrace_scope` 1 between sibling processes,

@@ -43,8 +43,14 @@ struct endpoint_options {
   /// where the handshake found that the peer may read this process (the
   /// same user, and no ptrace restriction in between, e.g. Yama's
   /// `ptrace_scope` 1 between sibling processes); else everything goes
-  /// through the ring. 0: never.
-  std::size_t single_copy_threshold = 64 * 1024;
+  /// through the ring. 0 (the default): never. Off by default because it
+  /// measured slower than the rings on both machines tried: one
+  /// `process_vm_readv` per payload against two copies pipelined by the
+  /// two CPUs through a ring that stays in cache (Debian VM: 16 MiB 6.6
+  /// against 13.2 GB/s, 1 MiB round trip 235 against 74 us;
+  /// benchmarks/RESULTS.md). Try it where memory bandwidth, not the
+  /// copies' overlap, is the limit.
+  std::size_t single_copy_threshold = 0;
 };
 
 /// Counters of one endpoint: the protocol layer's, and the transport's.

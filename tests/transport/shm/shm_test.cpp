@@ -60,7 +60,7 @@ int open_fds() {
 // `body(endpoint&)` on its own scheduler in `mode` and closes in order; its
 // exit status is 0 if `body` returned true.
 template <class Body>
-pid_t fork_peer(int& name_pipe, gdr::run_mode mode, Body body) {
+pid_t fork_peer(int& name_pipe, gdr::run_mode mode, Body body, shm::endpoint_options opts = {}) {
   int p[2];
   REQUIRE(::pipe(p) == 0);
   pid_t pid = ::fork();
@@ -73,7 +73,7 @@ pid_t fork_peer(int& name_pipe, gdr::run_mode mode, Body body) {
     try {
       gdr::scheduler s({.mode = mode});
       gdr::sync_wait(s, [&]() -> gdr::task<> {
-        shm::endpoint ep = co_await shm::connect(s, name);
+        shm::endpoint ep = co_await shm::connect(s, name, gdr::default_registry(), opts);
         ok = co_await body(ep);
         co_await ep.close();
       }());
@@ -93,6 +93,14 @@ void send_name(int fd, const std::string& n) {
   std::memcpy(name, n.data(), n.size());
   REQUIRE(::write(fd, name, sizeof name) == sizeof name);
   ::close(fd);
+}
+
+// Options with payloads from 64 KiB copied once by the receiver (where
+// the handshake allows it).
+shm::endpoint_options single_copy() {
+  shm::endpoint_options o;
+  o.single_copy_threshold = 64 * 1024;
+  return o;
 }
 
 int wait_exit(pid_t pid) {
@@ -170,12 +178,15 @@ TEST_CASE("the ring copies across its end and refuses a counter that claims more
 
 TEST_CASE("two processes exchange messages of every size on several tags, both ways at once, in both run modes") {
   gdr_test_support::watchdog dog(120);
+  for (bool once : {false, true})
   for (gdr::run_mode mode : {gdr::run_mode::busy_poll, gdr::run_mode::sleep}) {
+    CAPTURE(once);
     CAPTURE(static_cast<int>(mode));
+    const shm::endpoint_options o = once ? single_copy() : shm::endpoint_options{};
     int pipe_w = -1;
-    pid_t pid = fork_peer(pipe_w, mode, [](shm::endpoint& ep) -> gdr::task<bool> { co_return co_await exchange(ep, 1, 1); });
+    pid_t pid = fork_peer(pipe_w, mode, [](shm::endpoint& ep) -> gdr::task<bool> { co_return co_await exchange(ep, 1, 1); }, o);
     gdr::scheduler s({.mode = mode});
-    shm::listener l(s);
+    shm::listener l(s, {}, gdr::default_registry(), o);
     send_name(pipe_w, l.name());
     bool ok = false;
     shm::endpoint_stats st{};
@@ -195,10 +206,13 @@ TEST_CASE("two processes exchange messages of every size on several tags, both w
     CHECK(st.on_path(gdr::transfer_path::shared_memory) + st.on_path(gdr::transfer_path::host_eager) ==
           2 * sizes_for(0).size());
     if (mode == gdr::run_mode::busy_poll) CHECK(st.bells_rung == 0);  // both sides poll: no system call
-    // Payloads from 64 KiB come as addresses where this side may read the
-    // peer (not where ptrace is restricted between siblings, e.g. Yama's
-    // ptrace_scope 1): then this side copied them itself.
-    MESSAGE("this side reads the peer's memory: " << st.reads_peer << ", single copies: " << st.single_copies);
+    // With single copy on, payloads from 64 KiB come as addresses where this
+    // side may read the peer (not where ptrace is restricted between
+    // siblings, e.g. Yama's ptrace_scope 1): then this side copied them
+    // itself. Off, nothing does.
+    MESSAGE("single copy " << once << ": this side reads the peer's memory: " << st.reads_peer
+                           << ", single copies: " << st.single_copies);
+    if (!once) CHECK((!st.reads_peer && st.single_copies == 0));
     CHECK(st.reads_peer == (st.single_copies >= 3));
   }
 }
@@ -353,9 +367,9 @@ TEST_CASE("a peer that closes right after receiving large messages never fails t
         for (int i = 0; i < 20; ++i)
           if (co_await ep.recv(bytes_of(in)) != in.size()) co_return false;
         co_return true;  // fork_peer closes at once
-      });
+      }, single_copy());
       gdr::scheduler s({.mode = mode});
-      shm::listener l(s);
+      shm::listener l(s, {}, gdr::default_registry(), single_copy());
       send_name(pipe_w, l.name());
       int failed = 0;
       gdr::sync_wait(s, [&]() -> gdr::task<> {
