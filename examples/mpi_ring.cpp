@@ -1,6 +1,7 @@
-// mpi_ring: ranks pass a buffer around a ring over gdr's TCP mesh. MPI only
+// mpi_ring: ranks pass a buffer around a ring over gdr's mesh. MPI only
 // starts the job and bootstraps (gdr::bootstrap::mpi_rendezvous); the bytes
-// travel over gdr::tcp endpoints from connect_mesh. Each rank adds its rank to
+// travel over the endpoints connect_mesh makes (shared memory between ranks
+// of one node, TCP between nodes). Each rank adds its rank to
 // every element and passes the buffer right; after the laps rank 0 checks it.
 // Needs Open MPI: mpirun -np 4 ./mpi_ring (as root add --allow-run-as-root;
 // add --oversubscribe when there are fewer cores than ranks).
