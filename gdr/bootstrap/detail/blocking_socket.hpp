@@ -34,36 +34,14 @@
 #include <utility>
 
 #include <gdr/error.hpp>
+#include <gdr/unique_fd.hpp>
 
 namespace gdr::detail::sock {
 
 using clock = std::chrono::steady_clock;
 
-/// An owned file descriptor.
-class unique_fd {
- public:
-  unique_fd() noexcept = default;
-  explicit unique_fd(int fd) noexcept : fd_(fd) {}
-  unique_fd(unique_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  unique_fd& operator=(unique_fd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  unique_fd(const unique_fd&) = delete;
-  unique_fd& operator=(const unique_fd&) = delete;
-  ~unique_fd() { reset(); }
-
-  int get() const noexcept { return fd_; }
-  explicit operator bool() const noexcept { return fd_ >= 0; }
-  int release() noexcept { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
+/// An owned file descriptor (gdr/unique_fd.hpp).
+using unique_fd = gdr::detail::unique_fd;
 
 /// Splits "host:port" (or "[v6]:port"). Fails with `errc::invalid_argument`.
 inline std::error_code split_host_port(std::string_view s, std::string& host, std::uint16_t& port) noexcept {

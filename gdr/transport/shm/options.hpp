@@ -1,18 +1,16 @@
 /// \file
 /// The shared-memory transport's tag (the key of its rows in the path
-/// table), the tuning of one endpoint, its counters, and the file
-/// descriptor handle it keeps its socket, segments and bells in.
+/// table), the tuning of one endpoint and its counters.
 #pragma once
 
-#include <unistd.h>
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <utility>
 
 #include <gdr/protocol/options.hpp>
 #include <gdr/transfer/common.hpp>
+#include <gdr/unique_fd.hpp>
 
 namespace gdr::shm {
 
@@ -66,26 +64,6 @@ struct endpoint_stats : protocol_stats {
 };
 
 /// A file descriptor, closed on destruction.
-class fd_handle {
- public:
-  fd_handle() noexcept = default;
-  explicit fd_handle(int fd) noexcept : fd_(fd) {}
-  fd_handle(fd_handle&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  fd_handle& operator=(fd_handle&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  ~fd_handle() { reset(); }
-  int get() const noexcept { return fd_; }
-  bool valid() const noexcept { return fd_ >= 0; }
-  int release() noexcept { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
+using fd_handle = gdr::detail::unique_fd;
 
 }  // namespace gdr::shm
