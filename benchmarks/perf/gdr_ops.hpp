@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -121,6 +123,10 @@ inline gdr::shm::endpoint_options shm_options() {
   gdr::shm::endpoint_options o;
   if (const char* e = std::getenv("GDR_PERF_SHM_SINGLE_COPY"); e != nullptr && *e != 0)
     o.single_copy_threshold = std::strtoull(e, nullptr, 10);
+  // GDR_PERF_SHM_DEVICE=staged: Device memory through the bounce buffers
+  // and the ring instead of CUDA IPC, for a comparison.
+  if (const char* e = std::getenv("GDR_PERF_SHM_DEVICE"); e != nullptr && std::string(e) == "staged")
+    o.device = gdr::shm::device_path::staged;
   return o;
 }
 
@@ -312,11 +318,66 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
   return m;
 }
 
+/// The local copy a CUDA IPC transfer is measured against: `cudaMemcpy`
+/// device-to-device of `size` bytes on GPU `gpu`, in one process (a forked
+/// child: CUDA must not be initialised in gdr_perf itself). Latency: two
+/// synchronous copies (a round trip's worth), microseconds; bandwidth: a
+/// stream of `count` asynchronous copies, GB/s. False: no GPU, or no CUDA.
+inline bool local_device_copy([[maybe_unused]] int gpu, [[maybe_unused]] std::size_t size,
+                              [[maybe_unused]] std::size_t iters, [[maybe_unused]] std::size_t count,
+                              [[maybe_unused]] sample& lat, [[maybe_unused]] sample& bw) {
+#if !GDR_HAS_CUDA
+  return false;
+#else
+  int p[2];
+  if (::pipe(p) != 0) die("pipe");
+  pid_t c = ::fork();
+  if (c < 0) die("fork");
+  if (c == 0) {
+    ::close(p[0]);
+    double out[2] = {NAN, NAN};
+    void *a = nullptr, *b = nullptr;
+    cudaStream_t st = nullptr;
+    const std::size_t n = std::max<std::size_t>(size, 1);
+    if (cudaSetDevice(gpu) == cudaSuccess && cudaMalloc(&a, n) == cudaSuccess && cudaMalloc(&b, n) == cudaSuccess &&
+        cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess) {
+      for (int w = 0; w < 10; ++w) (void)cudaMemcpy(b, a, size, cudaMemcpyDeviceToDevice);
+      sample l;
+      for (std::size_t i = 0; i < iters; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        (void)cudaMemcpy(b, a, size, cudaMemcpyDeviceToDevice);
+        (void)cudaMemcpy(a, b, size, cudaMemcpyDeviceToDevice);
+        l.add(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      out[0] = l.median();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (std::size_t i = 0; i < count; ++i) (void)cudaMemcpyAsync(b, a, size, cudaMemcpyDeviceToDevice, st);
+      (void)cudaStreamSynchronize(st);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      out[1] = static_cast<double>(size) * static_cast<double>(count) / s / 1e9;
+    }
+    if (::write(p[1], out, sizeof out) != static_cast<ssize_t>(sizeof out)) std::_Exit(3);
+    std::_Exit(0);
+  }
+  ::close(p[1]);
+  double got[2] = {NAN, NAN};
+  const bool ok = ::read(p[0], got, sizeof got) == static_cast<ssize_t>(sizeof got);
+  ::close(p[0]);
+  int status = 0;
+  ::waitpid(c, &status, 0);
+  if (!ok || std::isnan(got[0])) return false;
+  lat.add(got[0]);
+  bw.add(got[1]);
+  return true;
+#endif
+}
+
 /// Why `sp` cannot run in this build or on this machine (empty: it can).
 inline std::string cannot_run(const spec& sp) {
   if (sp.transport != "tcp" && sp.transport != "shm" && sp.transport != "loopback" && sp.transport != "verbs") {
     if (sp.transport == "ipc")
-      return "--transport ipc: CUDA IPC is not built yet (host memory between processes: --transport shm)";
+      return "--transport ipc: CUDA IPC is the shm transport's Device path: --transport shm --space device "
+             "--peer-space device";
     return "--transport " + sp.transport + ": not a transport (tcp, shm, loopback, verbs)";
   }
   if (sp.transport == "verbs") {

@@ -21,7 +21,9 @@
 // perftest (verbs: ib_send_*, ib_write_* for put, ib_read_* for get, on the
 // same device), mpi (benchmarks/perf/mpi_pingpong.cpp under mpirun: Open
 // MPI's tcp BTL for --transport tcp, its shared-memory BTL for shm and loopback;
-// the binary beside gdr_perf, or GDR_PERF_MPI). A peer that does not fit
+// the binary beside gdr_perf, or GDR_PERF_MPI), cudamemcpy (Device to
+// Device: cudaMemcpy device-to-device of the same size in one process:
+// latency two synchronous copies, bandwidth a stream of them). A peer that does not fit
 // the run, or is not installed, prints n/a with the reason.
 //
 // Bandwidth: gdr and the raw stream run --bw-reps times each (default 3),
@@ -234,6 +236,8 @@ std::vector<peer> peers_for(const options& o) {
     else if (sp.transport == "shm" && sp.local.kind != space::device && sp.peer.kind != space::device &&
              sp.operation == op::send)
       names = {"mpi"};
+    else if (sp.local.kind == space::device && sp.peer.kind == space::device)
+      names = {"cudamemcpy"};
   }
   std::vector<peer> out;
   for (const std::string& n : names) {
@@ -254,10 +258,14 @@ std::vector<peer> peers_for(const options& o) {
                   "loopback (its shared-memory BTL)";
       else if (!perf::external::have("mpirun")) p.unfit = "mpirun is not installed";
       else if (mpi_binary().empty()) p.unfit = "no mpi_pingpong beside gdr_perf (./bazelw build //benchmarks:mpi_pingpong, or GDR_PERF_MPI)";
+    } else if (n == "cudamemcpy") {
+      if (sp.local.kind != space::device || sp.peer.kind != space::device)
+        p.unfit = "cudamemcpy compares Device to Device transfers with a local device-to-device copy";
     } else {
-      bad("--vs " + n + ": raw, iperf3, ucx_perftest, perftest, mpi or none");
+      bad("--vs " + n + ": raw, iperf3, ucx_perftest, perftest, mpi, cudamemcpy or none");
     }
-    if (p.unfit.empty() && n != "raw" && n != "perftest" && n != "mpi" && !perf::external::have(n.c_str()))
+    if (p.unfit.empty() && n != "raw" && n != "perftest" && n != "mpi" && n != "cudamemcpy" &&
+        !perf::external::have(n.c_str()))
       p.unfit = n + " is not installed";
     out.push_back(p);
   }
@@ -283,6 +291,12 @@ void measure_peer(const options& o, peer& p, std::size_t size) {
                                 : "--mca pml ob1 --mca btl vader,self";
     perf::sample l, b;
     perf::external::mpi(o.cfg, mpi_binary(), mca, size, li, bc, l, b);
+    p.lat = med(l);
+    p.bw = med(b);
+  } else if (p.name == "cudamemcpy") {
+    perf::sample l, b;
+    for (int rep = 0; rep < o.bw_reps; ++rep)
+      if (!perf::ops::local_device_copy(o.sp.local.gpu, size, li, bc, l, b)) break;
     p.lat = med(l);
     p.bw = med(b);
   } else if (p.name == "perftest") {

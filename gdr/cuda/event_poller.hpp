@@ -104,6 +104,7 @@
 
 #include <gdr/cuda/device.hpp>
 #include <gdr/cuda/error.hpp>
+#include <gdr/cuda/ipc.hpp>
 #include <gdr/cuda/stream.hpp>
 
 #include <array>
@@ -140,6 +141,8 @@ struct event_poller_options {
   /// For (B): the longest the loop sleeps while GPU work is pending. Also the
   /// fallback for (A) when a host function could not be enqueued.
   std::chrono::nanoseconds poll_interval = std::chrono::microseconds(20);
+  /// Bounds of the cache of peers' allocations imported by CUDA IPC.
+  ipc_cache_options ipc{};
 };
 
 /// Counters an `event_poller` keeps, for tests and benchmarks.
@@ -193,7 +196,7 @@ class event_poller final : public copy_engine {
   /// Creates the poller and adds it to `s`, as its event poller and, unless
   /// `s` already has one, its copy engine. Throws `gdr::error`
   /// (`errc::invalid_argument`) if `s` already has an event poller.
-  explicit event_poller(scheduler& s, event_poller_options opts = {}) : sched_(&s), opts_(opts) {
+  explicit event_poller(scheduler& s, event_poller_options opts = {}) : sched_(&s), opts_(opts), ipc_(opts.ipc) {
     wake_.sched = &s;
     if (!s.claim_poller_slot(*this))
       throw error(make_error_code(errc::invalid_argument),
@@ -314,6 +317,24 @@ class event_poller final : public copy_engine {
   /// (page-locked for every GPU), freed with `cudaFreeHost` (which needs
   /// no poller: an endpoint may free its bounce buffers after this poller
   /// is gone). `data` is null for `n == 0`, without a GPU, or out of memory.
+  // ---------------------------------------------------------------- CUDA IPC (gdr/cuda/ipc.hpp)
+
+  bool ipc_capable() const noexcept override { return ipc_share::capable(); }
+
+  std::error_code ipc_export(const void* p, std::size_t n, ipc_memory& out, std::uint64_t& offset,
+                             const char** why) noexcept override {
+    return ipc_.export_memory(p, n, out, offset, why);
+  }
+
+  std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device, std::size_t n,
+                           completion* c) noexcept override;  // event_poller_ipc.hpp
+  std::error_code ipc_fence(int device, stream_order after, completion* c, bool& done_now) noexcept override;
+
+  void ipc_forget(int pid) noexcept override { ipc_.forget(pid); }
+
+  /// The CUDA IPC exports and the cache of imported allocations.
+  const ipc_share& ipc() const noexcept { return ipc_; }
+
   pinned_block allocate_pinned(std::size_t n) noexcept override {
     if (n == 0) return {};
     void* p = nullptr;
@@ -370,6 +391,7 @@ class event_poller final : public copy_engine {
         if (op->copy_) {
           auto* node = static_cast<copy_node*>(op);
           copies[n_copies++] = {node->done_, node->query_};
+          if (node->ipc_ != nullptr) ipc_.release(node->ipc_);  // the peer's allocation may close now
           recycle(node);
           continue;
         }
@@ -419,6 +441,7 @@ class event_poller final : public copy_engine {
   // What a queued copy completes; the poller owns these (nodes_).
   struct copy_node : event_operation {
     completion* done_ = nullptr;
+    ipc_share::entry* ipc_ = nullptr;  // the peer's allocation a CUDA IPC copy reads
   };
 
   // A finished copy, as poll() keeps it between its two passes.
@@ -502,7 +525,11 @@ class event_poller final : public copy_engine {
   // The poller's stream for copies in direction `d` on GPU `device`, created
   // on first use (a blocking stream: see below).
   std::error_code copy_stream(int device, direction d, cudaStream_t* out) noexcept {
-    const std::size_t i = d == direction::to_host ? 0 : 1;
+    return copy_stream(device, d == direction::to_host ? std::size_t{0} : std::size_t{1}, out);
+  }
+  // The streams' slots per GPU: to host, to device, CUDA IPC copies.
+  static constexpr std::size_t ipc_slot = 2;
+  std::error_code copy_stream(int device, std::size_t i, cudaStream_t* out) noexcept {
     const auto dev = static_cast<std::size_t>(device);
     if (dev < copy_streams_.size() && copy_streams_[dev][i] != nullptr) {
       *out = copy_streams_[dev][i];
@@ -563,6 +590,7 @@ class event_poller final : public copy_engine {
   void recycle(copy_node* n) noexcept {
     n->copy_ = false;
     n->done_ = nullptr;
+    n->ipc_ = nullptr;
     n->next_ = free_nodes_;
     free_nodes_ = n;
   }
@@ -597,7 +625,7 @@ class event_poller final : public copy_engine {
   event_poller_options opts_;
   std::vector<fifo> fifos_;
   std::vector<std::vector<cudaEvent_t>> free_;  // per device ordinal
-  std::vector<std::array<cudaStream_t, 2>> copy_streams_;  // per device: to_host, to_device
+  std::vector<std::array<cudaStream_t, 3>> copy_streams_;  // per device: to_host, to_device, CUDA IPC
   std::deque<copy_node> nodes_;  // every copy node ever made
   copy_node* free_nodes_ = nullptr;  // those not in flight, linked by next_
   std::size_t pending_ = 0;
@@ -605,6 +633,7 @@ class event_poller final : public copy_engine {
   bool copy_slot_ = false;  // holds the scheduler's copy_engine slot
   wake_state wake_;
   event_poller_stats stats_;
+  ipc_share ipc_;
 };
 
 namespace detail {
@@ -723,3 +752,5 @@ inline detail::synchronize_awaitable synchronize(cudaStream_t s, int device) noe
 }
 
 }  // namespace gdr::cuda
+
+#include <gdr/cuda/event_poller_ipc.hpp>

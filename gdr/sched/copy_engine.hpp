@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <system_error>
 
 #include <gdr/error.hpp>
@@ -75,6 +76,88 @@ class copy_engine : public poller {
   /// `n` bytes of pinned host memory (`data` null if it could not be had).
   /// Called once per bounce pool, never on the data path.
   virtual pinned_block allocate_pinned(std::size_t n) noexcept = 0;
+
+  // ------------------------------------------------------------ CUDA IPC
+  //
+  // Device memory shared with another process of the node (the
+  // shared-memory transport's `Device` path): the owner exports the
+  // allocation holding a buffer, the descriptor travels, and the other
+  // process imports it (once: the engine keeps a cache of mappings) and
+  // copies straight out of it on its GPU.
+
+  /// What the owner of device memory sends the importer: the allocation
+  /// that holds the bytes, never more. Trivially copyable; `wire_size`
+  /// bytes on the wire (`to_wire`, `from_wire`).
+  struct ipc_memory {
+    std::byte handle[64]{};       ///< the driver's handle (`cudaIpcMemHandle_t`)
+    std::uint64_t base = 0;       ///< the allocation's address in the owner's process
+    std::uint64_t size = 0;       ///< the allocation's bytes
+    std::uint64_t buffer_id = 0;  ///< the driver's id of the allocation: an address freed and reused gets another
+    std::int32_t device = -1;     ///< the owner's GPU ordinal
+    std::int32_t pid = 0;         ///< the owner's process id
+
+    static constexpr std::size_t wire_size = 96;
+    void to_wire(std::byte* out) const noexcept {
+      std::memcpy(out, handle, 64);
+      std::memcpy(out + 64, &base, 8);
+      std::memcpy(out + 72, &size, 8);
+      std::memcpy(out + 80, &buffer_id, 8);
+      std::memcpy(out + 88, &device, 4);
+      std::memcpy(out + 92, &pid, 4);
+    }
+    static ipc_memory from_wire(const std::byte* in) noexcept {
+      ipc_memory m;
+      std::memcpy(m.handle, in, 64);
+      std::memcpy(&m.base, in + 64, 8);
+      std::memcpy(&m.size, in + 72, 8);
+      std::memcpy(&m.buffer_id, in + 80, 8);
+      std::memcpy(&m.device, in + 88, 4);
+      std::memcpy(&m.pid, in + 92, 4);
+      return m;
+    }
+  };
+
+  /// Can this engine share device memory between processes (`ipc_export`,
+  /// `ipc_copy`)? Asked once per endpoint, at its set-up.
+  virtual bool ipc_capable() const noexcept { return false; }
+
+  /// Exports the allocation holding `[p, p + n)`, device memory of this
+  /// process: fills `out` and the offset of `p` in it. `errc::unsupported`
+  /// (with `*why` set to a sentence saying what to do) for memory the
+  /// driver cannot share: not device memory, managed memory, memory of an
+  /// allocator whose handles do not travel.
+  virtual std::error_code ipc_export(const void* p, std::size_t n, ipc_memory& out, std::uint64_t& offset,
+                                     const char** why) noexcept {
+    (void)p, (void)n, (void)out, (void)offset;
+    if (why != nullptr) *why = "this copy engine cannot share device memory between processes";
+    return errc::unsupported;
+  }
+
+  /// Queues a copy of `n` bytes (`n > 0`) at `offset` in the peer's
+  /// exported allocation `src` into `dst`: device memory of GPU
+  /// `dst_device`, or host memory (-1). The allocation is imported on first
+  /// use and kept (per owner process, GPU and base address, checked by
+  /// buffer id) while copies use it. `c` completes as for `copy`.
+  virtual std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device,
+                                   std::size_t n, completion* c) noexcept {
+    (void)src, (void)offset, (void)dst, (void)dst_device, (void)n, (void)c;
+    return errc::unsupported;
+  }
+
+  /// Device memory of GPU `device` is about to be read by a peer's GPU:
+  /// completes `c` once the work queued before now on that GPU's legacy
+  /// default stream and on `after` (if set) is done, the order a staged
+  /// copy would have kept. `done_now` (and `c` never completes): it is done
+  /// already.
+  virtual std::error_code ipc_fence(int device, stream_order after, completion* c, bool& done_now) noexcept {
+    (void)device, (void)after, (void)c;
+    done_now = true;
+    return {};
+  }
+
+  /// Process `pid` ended (or its last connection did): its mappings are
+  /// let go (each once no copy uses it).
+  virtual void ipc_forget(int pid) noexcept { (void)pid; }
 
   /// The copy engine of `s`, or null.
   static copy_engine* of(const scheduler& s) noexcept { return s.poller_slot<copy_engine>(); }

@@ -91,6 +91,9 @@ struct shm_fixture_t {
     ea.protocol = a;
     eb.protocol = b;
     ea.single_copy_threshold = eb.single_copy_threshold = SingleCopy;
+    // The staged suite runs over it: Device memory staged even where the
+    // copy engine could share it (the CUDA IPC path has its own suite).
+    ea.device = eb.device = gdr::shm::device_path::staged;
     gdr::shm::listener l(s, {}, reg, eb);
     auto [x, y] = co_await gdr::when_all(gdr::shm::connect(s, l.name(), reg, ea), l.accept());
     co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));

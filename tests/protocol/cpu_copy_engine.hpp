@@ -10,7 +10,18 @@
 // stopped in the middle); `fail_copy(n)` fails the n-th copy from now with
 // errc::device_error. Counters: copies, bytes, the most in flight, and the
 // `after` streams it was given.
+//
+// CUDA IPC's stand-in (`ipc = true`): an export describes the bytes
+// themselves (base = the pointer, the owner's pid), and a copy out of a
+// peer's export reads them with `process_vm_readv` (or `memcpy` when the
+// owner is this process), completing from the loop like the other copies.
+// So the shared-memory transport's CUDA IPC path runs everywhere; the GPU
+// machine runs it on the driver's IPC. `refuse_export` makes every export
+// fail as memory the driver cannot share does.
 #pragma once
+
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstring>
@@ -43,7 +54,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
                        completion* c) noexcept override {
     if (n == 0 || device < 0 || dst == nullptr || src == nullptr || c == nullptr) return gdr::errc::invalid_argument;
     try {
-      queue_[d == direction::to_host ? 0 : 1].push_back({c, dst, src, n});
+      queue_[d == direction::to_host ? 0 : 1].push_back({c, dst, src, n, 0});
       if (after) afters.push_back(after.stream);
     } catch (...) {
       return gdr::errno_code(ENOMEM);
@@ -54,6 +65,42 @@ class cpu_copy_engine final : public gdr::copy_engine {
     if (in_flight_ > max_in_flight) max_in_flight = in_flight_;
     return {};
   }
+
+  bool ipc_capable() const noexcept override { return ipc; }
+
+  std::error_code ipc_export(const void* p, std::size_t n, ipc_memory& out, std::uint64_t& offset,
+                             const char** why) noexcept override {
+    if (!ipc || refuse_export) {
+      if (why != nullptr) *why = "the test's copy engine refuses to share this memory";
+      return gdr::errc::unsupported;
+    }
+    out = {};
+    out.base = reinterpret_cast<std::uintptr_t>(p);
+    out.size = n;
+    out.buffer_id = 1;
+    out.device = 0;
+    out.pid = static_cast<std::int32_t>(::getpid());
+    offset = 0;
+    ++ipc_exports;
+    return {};
+  }
+
+  std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int, std::size_t n,
+                           completion* c) noexcept override {
+    if (!ipc || n == 0 || dst == nullptr || c == nullptr) return gdr::errc::invalid_argument;
+    try {
+      queue_[0].push_back({c, dst, reinterpret_cast<const void*>(static_cast<std::uintptr_t>(src.base + offset)), n,
+                           src.pid == ::getpid() ? 0 : src.pid});
+    } catch (...) {
+      return gdr::errno_code(ENOMEM);
+    }
+    ++ipc_copies;
+    ++in_flight_;
+    if (in_flight_ > max_in_flight) max_in_flight = in_flight_;
+    return {};
+  }
+
+  void ipc_forget(int) noexcept override { ++ipc_forgets; }
 
   pinned_block allocate_pinned(std::size_t n) noexcept override {
     auto* p = static_cast<std::byte*>(::operator new(n, std::align_val_t{64}, std::nothrow));
@@ -82,6 +129,11 @@ class cpu_copy_engine final : public gdr::copy_engine {
       std::error_code ec;
       if (fail_in_ > 0 && --fail_in_ == 0) {
         ec = gdr::errc::device_error;
+      } else if (e.pid != 0) {
+        iovec local{e.dst, e.n};
+        iovec remote{const_cast<void*>(e.src), e.n};
+        if (::process_vm_readv(e.pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(e.n))
+          ec = gdr::errc::device_error;
       } else {
         std::memcpy(e.dst, e.src, e.n);
       }
@@ -105,6 +157,11 @@ class cpu_copy_engine final : public gdr::copy_engine {
   std::size_t max_in_flight = 0;
   std::size_t pinned_blocks = 0;
   std::vector<CUstream_st*> afters;
+  bool ipc = false;            ///< the CUDA IPC stand-in is on
+  bool refuse_export = false;  ///< every export fails (memory the driver cannot share)
+  std::size_t ipc_exports = 0;
+  std::size_t ipc_copies = 0;
+  std::size_t ipc_forgets = 0;
 
  private:
   struct entry {
@@ -112,6 +169,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
     void* dst;
     const void* src;
     std::size_t n;
+    int pid;  // the owner of src when another process (CUDA IPC's stand-in)
   };
   static void release_block(std::byte* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t{64}); }
 

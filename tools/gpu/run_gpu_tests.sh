@@ -7,6 +7,7 @@
 #   tests/cuda/*_test.cpp     GDR_HAS_CUDA=1
 #   tests/protocol/*_test.cpp the conformance suite (host memory) and the
 #                             staged path's suite (also with GDR_HAS_CUDA=1)
+#   tests/transport/shm/shm_ipc_test.cpp  CUDA IPC between processes, both ways
 #   examples/quickstart.cpp   if present (built and run)
 #   examples/gpu_pipeline.cpp with its kernels (gpu_pipeline_kernels.cu, nvcc
 #                             -c first), run with --count 64 --size 16M
@@ -103,6 +104,13 @@ for src in tests/protocol/*_test.cpp; do
   if grep -q "GDR_HAS_CUDA" "$src" tests/protocol/*.hpp 2>/dev/null && [[ "$base" == staged* ]]; then
     echo "protocol_${base}_cuda|$src|1|test" >>"$JOBFILE"
   fi
+done
+# The shared-memory transport's CUDA IPC path: on the GPU (real IPC between
+# processes), and on the CPU copy engine's stand-in.
+for src in tests/transport/shm/shm_ipc_test.cpp; do
+  [[ -e "$src" ]] || continue
+  echo "transport_shm_ipc_test_cuda|$src|1|test" >>"$JOBFILE"
+  echo "transport_shm_ipc_test|$src|0|test" >>"$JOBFILE"
 done
 # The GPUDirect probe's GPU half and the node probe (no RDMA device there:
 # they read the GPU, then refuse with the check that failed), where

@@ -37,7 +37,14 @@ inline std::error_code engine::staging_check(op& o) noexcept {
                      : "this endpoint's forced path excludes host memory";
     return errc::unsupported;
   }
-  if (!staged) return {};
+  if (!staged) {
+    // Direct: the transport says now whether it can move this memory (CUDA
+    // IPC: can the driver share the allocation?), not after the peer is
+    // told of it.
+    const bool read_by_peer = o.kind_ == op::kind::send || o.kind_ == op::kind::put;
+    if (o.nic_dev_ >= 0 && read_by_peer && o.size_ != 0) return link_check_device(o.data_, o.size_, &o.what_);
+    return {};
+  }
   if (o.dev_ >= 0 && !can_stage()) {
     o.what_ = "device memory needs a copy engine on the endpoint's scheduler: create a gdr::cuda::event_poller "
               "for it (gdr::cuda::event_poller events(sched);)";

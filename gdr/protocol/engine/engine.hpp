@@ -74,7 +74,11 @@ class engine {
   /// it with `errc::gpudirect_unavailable` and stays receivable), and
   /// their frames and placements are marked `nic_only` / `device` for the
   /// transport. Set once by the transport at set-up.
-  void set_device_direct(bool on) noexcept { device_direct_ = on; }
+  /// `path`: what such operations report (`gpudirect_rdma`, `cuda_ipc`).
+  void set_device_direct(bool on, transfer_path path = transfer_path::gpudirect_rdma) noexcept {
+    device_direct_ = on;
+    direct_path_ = path;
+  }
   bool device_direct() const noexcept { return device_direct_; }
 
   /// Bounce buffers checked out now (tx, rx): zero when nothing staged is
@@ -161,6 +165,12 @@ class engine {
   /// the wire or the sender into the destination) or sent.
   virtual transfer_path link_rx_path(bool direct) const noexcept = 0;
   virtual transfer_path link_tx_path() const noexcept = 0;
+  /// Direct device memory: can the transport move `n` bytes of it at `p`
+  /// to the peer? Else the error the operation fails with at once, and why.
+  virtual std::error_code link_check_device(const void* p, std::size_t n, const char** why) noexcept {
+    (void)p, (void)n, (void)why;
+    return {};
+  }
   /// Frees the engine (the transport's object): `delete this`.
   virtual void destroy() noexcept = 0;
 
@@ -263,14 +273,7 @@ class engine {
 
   /// Makes the transport calls the event queued, in order. True if it made
   /// any (what they complete is resumed by leave()).
-  bool drain() noexcept {
-    if (!due_) {
-      assert(!link_end_due() && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
-             finishes_head_ == nullptr && !resume_due_ && "gdr: engine work queued without due()");
-      return false;
-    }
-    return drain_due();
-  }
+  bool drain() noexcept;
   bool drain_due() noexcept;
 
   static rx_plan consumed() noexcept { return {}; }
@@ -638,16 +641,9 @@ class engine {
   // own traffic, and puts and gets in both directions cannot stop each
   // other's readers.
 
-  void credit_back() noexcept {
-    ++credits_;
-    if (!credit_wait_.empty() || !credit_pumps_.empty()) credit_due_ = deferred_due_ = true;
-  }
-
+  void credit_back() noexcept;
   /// Spends a credit on the request that bounce buffer `b` will carry.
-  void take_credit(stage_slot& b) noexcept {
-    --credits_;
-    b.credited = true;
-  }
+  void take_credit(stage_slot& b) noexcept;
   void wait_for_credit(op& o) noexcept;
 
   /// Credits came back: whoever waits for one goes on, in order.
@@ -751,7 +747,8 @@ class engine {
   std::size_t chunk_ = 0;          // bytes per bounce buffer
   std::uint64_t peer_seg_ = 0;     // the peer's chunk (its hello), 0: no limit
   std::uint8_t refused_ = 0;       // rows a forced path excludes (refuse_host, refuse_device)
-  bool device_direct_ = false;     // GPUDirect: Device memory is moved by the transport's NIC, not staged
+  bool device_direct_ = false;     // GPUDirect, CUDA IPC: Device memory is moved by the transport, not staged
+  transfer_path direct_path_ = transfer_path::gpudirect_rdma;  // what those operations report
   std::size_t copies_ = 0;         // copies in flight (ops' and served requests')
   stage_pool tx_{};
   stage_pool rx_{};

@@ -303,6 +303,15 @@ inline void engine::unlink_due(op& o) noexcept {
   }
 }
 
+inline bool engine::drain() noexcept {
+  if (!due_) {
+    assert(!link_end_due() && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
+           finishes_head_ == nullptr && !resume_due_ && "gdr: engine work queued without due()");
+    return false;
+  }
+  return drain_due();
+}
+
 inline bool engine::drain_due() noexcept {
   due_ = false;
   draining_ = true;

@@ -211,7 +211,7 @@ inline void engine::record(op& o) noexcept {
   // Device memory on either side took the staged path, or GPUDirect RDMA,
   // whatever moved.
   if (o.dev_ >= 0 || o.remote_dev_) o.path_ = transfer_path::staged_pinned;
-  if (o.nic_dev_ >= 0 || o.remote_nic_) o.path_ = transfer_path::gpudirect_rdma;
+  if (o.nic_dev_ >= 0 || o.remote_nic_) o.path_ = direct_path_;
   ++stats_->by_path[static_cast<std::size_t>(o.path_)];
   last_path_ = o.path_;
 }

@@ -154,6 +154,16 @@ inline void engine::wait_for_credit(op& o) noexcept {
   }
 }
 
+inline void engine::credit_back() noexcept {
+  ++credits_;
+  if (!credit_wait_.empty() || !credit_pumps_.empty()) credit_due_ = deferred_due_ = true;
+}
+
+inline void engine::take_credit(stage_slot& b) noexcept {
+  --credits_;
+  b.credited = true;
+}
+
 inline void engine::run_credit_waiters() noexcept {
   run_send_waiters();
   while (credits_ != 0 && !credit_wait_.empty()) {

@@ -89,6 +89,9 @@ class op : private gdr::detail::cancellable<op> {
   /// The operation's local buffer (a transport that registers it for RDMA
   /// reads the address; the engine keeps the bytes' ownership rules).
   std::byte* buffer_data() const noexcept { return data_; }
+  /// The stream work its bytes wait for (`gdr::cuda::after`): a transport
+  /// that moves `Device` memory itself orders its move after it.
+  stream_order after() const noexcept { return opts_.after; }
 
   /// The same operation, but `co_await` returns its `op_report` (error,
   /// bytes, the message's size, tag, path and protocol) and never throws.

@@ -285,9 +285,9 @@ inline rx_plan engine::rx_rts_withdrawn(const header& h) noexcept {
 
 inline bool engine::refuses_eager(op& r, std::size_t len) noexcept {
   if (r.nic_dev_ < 0 || std::min(len, r.size_) == 0) return false;
-  r.what_ = "a Device receive on a GPUDirect endpoint takes only messages the NIC writes into it (rendezvous, "
-            "above the sender's rendezvous_threshold, or any send from Device memory); this message came eager, "
-            "through host memory, and stays receivable into host memory";
+  r.what_ = "a Device receive on a direct endpoint (GPUDirect, CUDA IPC) takes only messages moved straight into "
+            "it (rendezvous, above the sender's rendezvous_threshold, or any send from Device memory); this "
+            "message came eager, through host memory, and stays receivable into host memory";
   return true;
 }
 

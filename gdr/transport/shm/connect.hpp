@@ -23,7 +23,11 @@
 /// word of the peer's memory whose address and value the peer's hello gave
 /// (`process_vm_readv`), and tells the peer whether it could (one byte
 /// each way): a side whose peer can read it sends its large payloads as
-/// addresses (`endpoint_options::single_copy_threshold`).
+/// addresses (`endpoint_options::single_copy_threshold`). The hello's
+/// device word says how this side moves `Device` memory (staged, CUDA IPC
+/// if the peer can, CUDA IPC or nothing: `endpoint_options::device`); both
+/// sides decide alike, and one that requires CUDA IPC fails the handshake
+/// with a peer that stages (`errc::unsupported`).
 ///
 /// Each step (connect or accept, the hello out, the hello in) is bounded by
 /// the `op_options` given: `timeout` each, `stop` throughout.
@@ -52,6 +56,7 @@
 #include <gdr/coro/task.hpp>
 #include <gdr/error.hpp>
 #include <gdr/memory/registration.hpp>
+#include <gdr/sched/copy_engine.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transfer/common.hpp>
 #include <gdr/transport/shm/endpoint.hpp>
@@ -100,7 +105,7 @@ struct hello_msg {
   std::uint32_t version;  // 1
   std::uint64_t ring_bytes;
   std::int32_t pid;
-  std::uint32_t reserved;
+  std::uint32_t device;       // Device memory: 0 staged, 1 CUDA IPC if the peer can, 2 CUDA IPC or nothing
   std::uint64_t probe_addr;   // a word of the sender's memory the peer tries to read (0: do not)
   std::uint64_t probe_value;  // what it holds
   std::uint64_t single_copy;  // the sender's single_copy_threshold (0: never)
@@ -159,9 +164,42 @@ inline mapping map_peer_ring(int fd) {
   return m;
 }
 
+/// This side's word on `Device` memory for the hello (see `hello_msg`).
+inline std::uint32_t device_word(scheduler& s, const endpoint_options& o) {
+  const copy_engine* ce = copy_engine::of(s);
+  const bool can = ce != nullptr && ce->ipc_capable();
+  switch (o.device) {
+    case gdr::shm::device_path::staged: return 0;
+    case gdr::shm::device_path::automatic: return can && o.protocol.force != force_path::staged ? 1 : 0;
+    case gdr::shm::device_path::cuda_ipc:
+      if (!can)
+        throw gdr::error(make_error_code(errc::unsupported),
+                         "gdr::shm: device = cuda_ipc, but this process cannot share device memory: it needs a GPU "
+                         "and a gdr::cuda::event_poller on the endpoint's scheduler, made before the endpoint");
+      return 2;
+  }
+  return 0;
+}
+
+/// Both ends' words on `Device` memory: CUDA IPC if both can; an error if
+/// one requires it and the other stages.
+inline bool agree_device(std::uint32_t mine, std::uint32_t theirs) {
+  if (theirs > 2) throw gdr::error(make_error_code(errc::protocol_error), "gdr::shm: the peer's hello has an unknown device word");
+  if (mine == 2 && theirs == 0)
+    throw gdr::error(make_error_code(errc::unsupported),
+                     "gdr::shm: device = cuda_ipc here, but the peer stages Device memory (its device option is "
+                     "staged, or it has no copy engine that can share device memory)");
+  if (mine == 0 && theirs == 2)
+    throw gdr::error(make_error_code(errc::unsupported),
+                     "gdr::shm: the peer requires CUDA IPC for Device memory (device = cuda_ipc), and this side stages "
+                     "it (device = staged, or no gdr::cuda::event_poller that can share device memory)");
+  return mine != 0 && theirs != 0;
+}
+
 /// The handshake over a connected Unix socket (see the file comment).
 inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_options& o, op_options oo) {
   link_parts parts;
+  const std::uint32_t device = device_word(s, o);
   fd_handle mem;
   parts.tx_segment = make_ring(o.ring_bytes, mem);
   parts.bell = fd_handle(::eventfd(0, EFD_CLOEXEC));
@@ -174,7 +212,7 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
                  1,
                  ring(parts.tx_segment.get()).capacity(),
                  static_cast<std::int32_t>(::getpid()),
-                 0,
+                 device,
                  o.single_copy_threshold != 0 ? reinterpret_cast<std::uintptr_t>(&probe) : 0,
                  probe,
                  o.single_copy_threshold};
@@ -227,6 +265,7 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
   if (theirs.version != 1)
     throw gdr::error(make_error_code(errc::protocol_error),
                      "gdr::shm: the peer speaks version " + std::to_string(theirs.version) + " of the handshake, this side 1");
+  parts.device_ipc = agree_device(device, theirs.device);
   parts.rx_segment = map_peer_ring(peer_mem.get());
   parts.peer_bell = std::move(peer_bell);
   ucred cred{};

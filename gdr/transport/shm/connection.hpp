@@ -38,6 +38,22 @@
 /// the peer has ended (a shut-down connection ends only its own half and
 /// waits for the peer's hang-up, at most `close_linger`).
 ///
+/// Device memory by CUDA IPC (`endpoint_options::device`, agreed in the
+/// handshake). The engine then moves `Device` memory directly
+/// (`engine::set_device_direct`): a frame whose payload is this process's
+/// device memory goes into the ring as its header (byte 13, reserved in
+/// the TCP format, set to 1) and a descriptor: the allocation exported by
+/// the copy engine (`copy_engine::ipc_export`: the driver's handle, base,
+/// size, buffer id, GPU, pid) and the payload's offset in it. The reader
+/// checks the descriptor against the header and the peer, has its copy
+/// engine copy the bytes straight out of the peer's allocation into their
+/// place (`copy_engine::ipc_copy`: imported once, then cached), and stops
+/// reading until that GPU copy completes; then it counts it in `copied`,
+/// as a single copy, and the writer completes the frame. Host bytes whose
+/// place is `Device` memory (a host send into a `Device` receive, a put
+/// into a `Device` registration) are copied by the GPU out of the ring, a
+/// contiguous piece at a time, each consumed once its copy is done.
+///
 /// Reader. The connection is one of its scheduler's pollers: each loop
 /// iteration it looks at the peer's ring, and copies what arrived: a header
 /// goes to the engine (`on_header`), which says where its payload goes, and
@@ -76,6 +92,7 @@
 #include <gdr/error.hpp>
 #include <gdr/memory/registration.hpp>
 #include <gdr/protocol/engine.hpp>
+#include <gdr/sched/copy_engine.hpp>
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
@@ -106,6 +123,7 @@ struct link_parts {
   bool peer_reads_me = false;        ///< this side's large payloads go as addresses
   bool i_read_peer = false;          ///< the peer's large payloads come as addresses...
   std::size_t peer_single_copy = 0;  ///< ... from this size on
+  bool device_ipc = false;           ///< Device memory moves by CUDA IPC (both sides agreed)
 };
 
 /// One shared-memory link: the transport under a protocol engine. See the
@@ -124,6 +142,15 @@ class connection final : public proto::engine {
     rx_ = ring(parts_.rx_segment.get());
     stats_.peer_reads_me = parts_.peer_reads_me;
     stats_.reads_peer = parts_.i_read_peer && parts_.peer_single_copy != 0;
+    stats_.device_ipc = parts_.device_ipc;
+    if (parts_.device_ipc) {
+      ce_ = copy_engine::of(s);
+      set_device_direct(true, transfer_path::cuda_ipc);
+    }
+    gpu_done_.self = this;
+    gpu_done_.done = &on_gpu_done;
+    fence_done_.self = this;
+    fence_done_.done = &on_fence_done;
     poller_.self = this;
     bell_op_.self = this;
     bell_op_.complete = &on_bell;
@@ -157,6 +184,15 @@ class connection final : public proto::engine {
   struct kick_node : remote_work {
     connection* self = nullptr;
   };
+  struct gpu_node : copy_engine::completion {
+    connection* self = nullptr;
+  };
+  /// The reader's GPU copy in flight (it reads nothing meanwhile).
+  struct gpu_job {
+    bool active = false;
+    bool aborted = false;      // the engine stopped the placement: release, do not place
+    std::size_t ring_bytes = 0;  // a piece of the ring into Device memory (else a CUDA IPC copy)
+  };
   struct ring_poller final : poller {
     connection* self = nullptr;
     poll_status poll() noexcept override { return self->poll_ring(); }
@@ -171,6 +207,7 @@ class connection final : public proto::engine {
     std::size_t want = 0;
     std::size_t done = 0;
     std::uint64_t discard = 0;
+    int device = -1;  // dst is Device memory of this GPU: the GPU copies it out of the ring
   };
 
   ~connection() override {
@@ -190,12 +227,20 @@ class connection final : public proto::engine {
     }
   }
   bool link_abort_target() noexcept override {
-    // Payloads are copied inside one event: nothing is in flight into it.
+    // Host payloads are copied inside one event: nothing is in flight into
+    // them. A GPU copy may be: the memory is free once it completes.
     if (tgt_.active) {
-      skip_ += (tgt_.want - tgt_.done) + tgt_.discard;
+      skip_ += (tgt_.want - tgt_.done - gpu_.ring_bytes) + tgt_.discard;
       tgt_ = {};
     }
-    return true;
+    if (!gpu_.active) return true;
+    gpu_.aborted = true;
+    return false;
+  }
+  std::error_code link_check_device(const void* p, std::size_t n, const char** why) noexcept override {
+    copy_engine::ipc_memory m;
+    std::uint64_t off = 0;
+    return ce_ != nullptr ? ce_->ipc_export(p, n, m, off, why) : std::error_code(errc::unsupported);
   }
   void link_shutdown() noexcept override;
   bool link_close() noexcept override;
@@ -207,7 +252,7 @@ class connection final : public proto::engine {
   }
   bool link_quiet() const noexcept override {
     return !ending_ && !bell_inflight_ && !watch_inflight_ && !linger_inflight_ && !kick_posted_ &&
-           done_.empty() && dropped_.empty() && sent_.empty();
+           done_.empty() && dropped_.empty() && sent_.empty() && !gpu_.active && !fence_inflight_;
   }
   void link_release() noexcept override;
   transfer_path link_rx_path(bool) const noexcept override { return transfer_path::shared_memory; }
@@ -227,10 +272,28 @@ class connection final : public proto::engine {
   bool single_copy_in(const proto::header& h) const noexcept {
     return parts_.i_read_peer && parts_.peer_single_copy != 0 && h.length != 0 && h.length >= parts_.peer_single_copy;
   }
+  /// Does `f` go as a CUDA IPC descriptor (its payload is this process's
+  /// device memory)?
+  bool ipc_out(const frame& f) const noexcept { return parts_.device_ipc && f.device >= 0 && f.hdr.length != 0; }
+  /// A CUDA IPC frame's body: the exported allocation and the offset.
+  static constexpr std::size_t ipc_body = copy_engine::ipc_memory::wire_size + sizeof(std::uint64_t);
+  /// The header byte that marks a CUDA IPC frame (reserved in the TCP format).
+  static constexpr std::size_t ipc_mark = 13;
   /// Bytes `f` takes in the ring.
   std::size_t ring_bytes(const frame& f) const noexcept {
+    if (ipc_out(f)) return wire::header_size + ipc_body;
     return wire::header_size + (single_copy_out(f) ? sizeof(std::uint64_t) : static_cast<std::size_t>(f.hdr.length));
   }
+  /// Exports the device memory of the frame about to be sealed into
+  /// `ipc_out_`. False: it cannot be shared; the connection fails (from the
+  /// loop) with `errc::unsupported`.
+  bool export_ipc(const frame& f) noexcept;
+  /// The CUDA IPC frame `f` may go once the work queued on its GPU before
+  /// it (the legacy default stream, and its operation's `after` stream) is
+  /// done: true when it is; false while the fence runs (the writer waits;
+  /// `on_fence_done` goes on) or when it failed.
+  bool fence(frame& f) noexcept;
+  static void on_fence_done(copy_engine::completion* c, std::error_code ec) noexcept;
   /// A frame is in the ring: done now, or once the single-copy frames before
   /// it (and itself) are copied. Its `seq` (its wire number is in
   /// `encoded` by then) becomes the count of single-copy frames written up
@@ -278,6 +341,19 @@ class connection final : public proto::engine {
   /// Copies a single-copy payload from the peer's memory (`from`) into its
   /// place, then counts it as copied. False: the connection failed.
   bool copy_from_peer(const proto::rx_plan& plan, std::uint64_t from) noexcept;
+  /// Starts the GPU copy of a CUDA IPC frame's payload (`body`, checked)
+  /// into its place. False: stop pumping (the copy runs, or it failed).
+  bool start_ipc_copy(const proto::rx_plan& plan, const copy_engine::ipc_memory& m, std::uint64_t off) noexcept;
+  /// Starts the GPU copy of the next contiguous piece (at most `n` bytes)
+  /// of the current host payload out of the ring into Device memory.
+  void start_ring_copy(std::size_t n) noexcept;
+  /// A GPU copy of the reader's completed (the copy engine's poll).
+  static void on_gpu_done(copy_engine::completion* c, std::error_code ec) noexcept;
+  /// The peer's copies counted one more: tell it.
+  void count_copied() noexcept {
+    auto& copied = rx_.control().copied;
+    copied.store(copied.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
+  }
   void target_done() noexcept {
     rx_target t = std::exchange(tgt_, rx_target{});
     skip_ = t.discard;
@@ -293,7 +369,7 @@ class connection final : public proto::engine {
 
   // ---------------------------------------------------------------- the loop's side
 
-  bool reading() const noexcept { return live_ && !rx_paused_ && !failed(); }
+  bool reading() const noexcept { return live_ && !rx_paused_ && !failed() && !gpu_.active; }
   poll_status poll_ring() noexcept;
   /// Nothing to do and the loop may sleep: set the waiting flags, look
   /// again, and keep the bell's read in flight.
@@ -355,6 +431,12 @@ class connection final : public proto::engine {
   bool write_deferred_ = false;  // frames posted in a handler, written at its end
   bool close_written_ = false;   // this side's close frame is in the ring
   bool tx_blocked_ = false;      // frames wait for room in the ring
+  bool export_failed_ = false;   // a Device payload could not be shared: fail from the loop
+  std::byte ipc_out_[ipc_body];  // the descriptor of txq_.head, when it is a CUDA IPC frame
+  gpu_node fence_done_{};
+  const frame* fence_for_ = nullptr;  // the frame whose fence runs
+  const frame* fenced_ = nullptr;     // the frame whose fence is done (until it is sealed)
+  bool fence_inflight_ = false;
 
   // reader
   rx_target tgt_{};
@@ -363,6 +445,9 @@ class connection final : public proto::engine {
   bool rx_paused_ = false;
   bool saw_close_ = false;  // the peer's close frame was read
   bool peer_gone_ = false;  // the socket hung up: the peer ended (in order or not)
+  copy_engine* ce_ = nullptr;  // CUDA IPC: the scheduler's copy engine
+  gpu_node gpu_done_{};
+  gpu_job gpu_{};
 
   // the bell, the watch, the orderly end
   conn_op bell_op_{};

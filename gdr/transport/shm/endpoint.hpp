@@ -27,8 +27,21 @@
 /// memory (`process_vm_readv`), where the handshake found the peer may
 /// read this process (`stats().peer_reads_me`; not across a ptrace
 /// restriction such as Yama's `ptrace_scope` 1 between sibling processes,
-/// where it goes through the rings). `Device` memory is staged through
-/// pinned bounce buffers on the side that owns it, as on TCP.
+/// where it goes through the rings).
+///
+/// `Device` memory (`endpoint_options::device`, decided in the handshake;
+/// `device_ipc()` says which): by CUDA IPC where both processes can share
+/// device memory, `transfer_path::cuda_ipc`: a `Device` payload is one GPU
+/// copy straight out of the owner's allocation, made by the side that
+/// receives it (the receiver of a send or of a get's answer, the target of
+/// a put), after the owner's stream work that `gdr::cuda::after` names; a
+/// send from `Device` memory goes by rendezvous at any size, and a `Device`
+/// receive takes only messages moved straight into it (an eager host
+/// message fails it with `errc::gpudirect_unavailable` and stays
+/// receivable). Memory the driver cannot share (managed memory, an
+/// allocator whose handles do not travel) fails the operation at once with
+/// `errc::unsupported`. Otherwise `Device` memory is staged through pinned
+/// bounce buffers on the side that owns it, as on TCP.
 ///
 /// Liveness. The peer's process ending, killed or not, closes its Unix
 /// socket: every pending and later operation fails with
@@ -56,13 +69,25 @@
 namespace gdr {
 
 // The shared-memory transport's rows of the path table: host memory
-// through the rings; Device memory staged, as on every CPU transport.
+// through the rings; Device memory on either side probed: CUDA IPC where
+// the handshake found both processes can share device memory, else staged
+// (the endpoint's set-up decides and logs it; `endpoint_options::device`
+// can require either).
 template <>
 inline constexpr const char* transport_name_v<shm::transport> = "shm";
 
 template <class Op, class Local, class Remote>
 struct path_table<shm::transport, Op, Local, Remote>
     : detail::cpu_transport_rows<shm::transport, Op, Local, Remote> {};
+
+template <class Op, class Local>
+  requires local_memory_space<Local> && (space_traits<Local>::on_device)
+struct path_table<shm::transport, Op, Local, AnySpace> : path_row<path_kind::probed, transfer_path::cuda_ipc> {};
+
+template <class Op, class Local, class Remote>
+  requires local_memory_space<Local> && local_memory_space<Remote> &&
+           (space_traits<Local>::on_device || space_traits<Remote>::on_device)
+struct path_table<shm::transport, Op, Local, Remote> : path_row<path_kind::probed, transfer_path::cuda_ipc> {};
 
 namespace shm {
 
@@ -75,6 +100,8 @@ class endpoint : public basic_endpoint<transport> {
   /// An endpoint with no connection (what a moved-from one is).
   endpoint() noexcept = default;
 
+  /// `Device` memory moves by CUDA IPC on this endpoint (else staged).
+  bool device_ipc() const noexcept { return conn() != nullptr && conn()->stats().device_ipc; }
   /// The peer's process id (0 once closed).
   int peer_pid() const noexcept { return conn() != nullptr ? conn()->peer_pid() : 0; }
   /// What the last protocol error was about (`frame_status::ok` if none).
@@ -93,9 +120,14 @@ class endpoint : public basic_endpoint<transport> {
   /// What each row does by message size (`GDR_LOG=path`).
   struct row_sizes {
     const endpoint_options* o;
+    bool ipc;
     std::string operator()(op_kind k, bool device) const {
       using gdr::detail::proto::size_text;
-      if (device) return gdr::detail::proto::staged_note(o->protocol);
+      if (device)
+        return ipc ? std::string("every size by rendezvous: one GPU copy straight out of the owner's allocation (CUDA "
+                                 "IPC, imported once and cached), made by the side that receives the bytes; host bytes "
+                                 "for Device memory copied by the GPU out of the ring")
+                   : gdr::detail::proto::staged_note(o->protocol);
       const std::string t = size_text(o->protocol.rendezvous_threshold);
       const std::string once =
           o->single_copy_threshold == 0
@@ -120,11 +152,63 @@ class endpoint : public basic_endpoint<transport> {
   static gdr::detail::proto::engine* make(scheduler& sched, gdr::detail::shm::link_parts parts,
                                            memory_registry& registry, const endpoint_options& opts) {
     std::string who = "pid " + std::to_string(parts.peer_pid);
-    auto plan = gdr::detail::proto::decide_paths<transport>(opts.protocol.force, who.c_str(), row_sizes{&opts});
-    if (!plan) throw gdr::error(plan.error(), "gdr::shm::endpoint: the forced path is not one this transport offers");
+    result<std::uint8_t> refused = decide(opts, parts.device_ipc, who.c_str());
+    if (!refused) throw gdr::error(refused.error(), "gdr::shm::endpoint: the forced path is not one this transport offers");
     auto* c = new gdr::detail::shm::connection(sched, std::move(parts), registry, opts);
-    c->set_refused(plan->refused);
+    c->set_refused(*refused);
     return c;
+  }
+
+  /// Decides the path of every row (`GDR_LOG=path` prints them) and returns
+  /// the rows a forced path refuses: host rows through the rings; `Device`
+  /// rows by CUDA IPC (`ipc`, agreed in the handshake) or staged.
+  static result<std::uint8_t> decide(const endpoint_options& o, bool ipc, const char* who) {
+    using namespace gdr::detail::proto;
+    path_plan plan;
+    std::error_code probe_error;
+    const row_sizes words{&o, ipc};
+    auto host_rows = [&]<class S>() {
+      decide_row<transport, gdr::op::send, S, AnySpace>(o.protocol.force, who, plan, probe_error, words);
+      decide_row<transport, gdr::op::recv, S, AnySpace>(o.protocol.force, who, plan, probe_error, words);
+      decide_row<transport, gdr::op::put, S, Host>(o.protocol.force, who, plan, probe_error, words);
+      decide_row<transport, gdr::op::get, S, Host>(o.protocol.force, who, plan, probe_error, words);
+      decide_row<transport, gdr::op::put, S, Pinned>(o.protocol.force, who, plan, probe_error, words);
+      decide_row<transport, gdr::op::get, S, Pinned>(o.protocol.force, who, plan, probe_error, words);
+    };
+    host_rows.template operator()<Host>();
+    host_rows.template operator()<Pinned>();
+    // The Device rows (probed in the table) as the handshake decided them.
+    auto device_rows = [&](path_kind kind, transfer_path path) {
+      auto row = [&]<class Op, class L, class R>() {
+        path_decision d = row_decision<transport, Op, L, R>(o.protocol.force);
+        d.decided = kind;
+        d.path = path;
+        d.endpoint = who;
+        if (path_log_enabled()) log_row(d, words, Op::kind, true);
+        ++plan.usable;
+      };
+      row.template operator()<gdr::op::send, Device, AnySpace>();
+      row.template operator()<gdr::op::recv, Device, AnySpace>();
+      auto remote = [&]<class L, class R>() {
+        row.template operator()<gdr::op::put, L, R>();
+        row.template operator()<gdr::op::get, L, R>();
+      };
+      remote.template operator()<Device, Host>();
+      remote.template operator()<Device, Pinned>();
+      remote.template operator()<Device, Device>();
+      remote.template operator()<Host, Device>();
+      remote.template operator()<Pinned, Device>();
+    };
+    if (ipc) {
+      if (o.protocol.force == force_path::staged) plan.refused |= engine::refuse_device;
+      else device_rows(path_kind::zero_copy, transfer_path::cuda_ipc);
+    } else if (o.protocol.force == force_path::zero_copy) {
+      plan.refused |= engine::refuse_device;
+    } else {
+      device_rows(path_kind::staged, transfer_path::staged_pinned);
+    }
+    if (plan.usable == 0) return errc::unsupported;
+    return plan.refused;
   }
   gdr::detail::shm::connection* conn() const noexcept {
     return static_cast<gdr::detail::shm::connection*>(engine_ptr());

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <span>
 
+#include <gdr/log.hpp>
 #include <gdr/protocol/engine/event_scope.hpp>
 #include <gdr/transport/shm/connection.hpp>
 
@@ -60,6 +61,8 @@ inline bool connection::link_withdraw(frame& f) noexcept {
     case in_sent:
     default: return false;
   }
+  if (&f == fence_for_) fence_for_ = nullptr;
+  if (&f == fenced_) fenced_ = nullptr;
   f.where = nowhere;
   f.queued = false;
   return true;
@@ -76,16 +79,25 @@ inline void connection::write_some(bool in_event) noexcept {
   };
   while (frame* f = txq_.head) {
     const bool single = single_copy_out(*f);
+    const bool ipc = ipc_out(*f);
     const std::size_t total = ring_bytes(*f);
     std::size_t room = tx_.room(total - f->written);
     if (room == 0) break;
-    if (!f->sealed) seal(*f);
+    if (!f->sealed) {
+      if (ipc && (!fence(*f) || !export_ipc(*f))) break;
+      fenced_ = nullptr;
+      seal(*f);
+      if (ipc) f->encoded[ipc_mark] = std::byte{1};
+    }
     while (f->written < total) {
       if (room == 0 && (room = tx_.room(total - f->written)) == 0) break;
       std::size_t n;
       if (f->written < wire::header_size) {
         n = std::min(room, wire::header_size - f->written);
         tx_.put(f->encoded + f->written, n);
+      } else if (ipc) {
+        n = std::min(room, total - f->written);
+        tx_.put(ipc_out_ + (f->written - wire::header_size), n);
       } else if (single) {
         // The payload's address, for the reader to copy from.
         std::byte a[sizeof(std::uint64_t)];
@@ -114,8 +126,56 @@ inline void connection::write_some(bool in_event) noexcept {
   if (tx_blocked_ && !was_blocked) ++stats_.ring_full;
 }
 
+inline bool connection::fence(frame& f) noexcept {
+  if (fenced_ == &f) return true;
+  if (fence_inflight_) return false;
+  bool now = false;
+  const stream_order after = f.owner != nullptr ? f.owner->after() : stream_order{};
+  if (ce_ == nullptr || ce_->ipc_fence(f.device, after, &fence_done_, now)) {
+    export_failed_ = true;  // fails from the loop
+    kick();
+    return false;
+  }
+  if (now) return true;
+  fence_inflight_ = true;
+  fence_for_ = &f;
+  return false;
+}
+
+inline void connection::on_fence_done(copy_engine::completion* node, std::error_code ec) noexcept {
+  connection* c = static_cast<gpu_node*>(node)->self;
+  proto::event_scope ev(*c);
+  c->fence_inflight_ = false;
+  if (ec) {
+    if (!c->failed()) c->on_link_failed(ec);
+  } else if (c->fence_for_ != nullptr && c->txq_.head == c->fence_for_) {
+    c->fenced_ = c->fence_for_;
+  }
+  c->fence_for_ = nullptr;
+  c->write_some(true);
+  c->on_io_done();
+}
+
+inline bool connection::export_ipc(const frame& f) noexcept {
+  copy_engine::ipc_memory m;
+  std::uint64_t off = 0;
+  const char* why = nullptr;
+  if (ce_ == nullptr || ce_->ipc_export(f.payload, static_cast<std::size_t>(f.hdr.length), m, off, &why)) {
+    // Not from here (inside the engine's call): from the loop.
+    export_failed_ = true;
+    gdr::detail::log("shm", "the Device memory at %p of a frame cannot be shared by CUDA IPC (%s); the connection "
+                     "fails", static_cast<const void*>(f.payload), why != nullptr ? why : "no copy engine");
+    kick();
+    return false;
+  }
+  m.to_wire(ipc_out_);
+  std::memcpy(ipc_out_ + copy_engine::ipc_memory::wire_size, &off, sizeof off);
+  ++stats_.ipc_exports;
+  return true;
+}
+
 inline void connection::written(frame& f, bool in_event) noexcept {
-  const bool single = single_copy_out(f);
+  const bool single = single_copy_out(f) || ipc_out(f);
   if (f.hdr.type == proto::msg::close) close_written_ = true;
   if (single || !sent_.empty()) {
     f.seq = single ? ++copies_out_ : copies_out_;
@@ -195,17 +255,84 @@ inline bool connection::copy_from_peer(const proto::rx_plan& plan, std::uint64_t
     done += static_cast<std::size_t>(n);
   }
   ++stats_.single_copies;
-  auto& copied = rx_.control().copied;
-  copied.store(copied.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
+  count_copied();
   skip_ = 0;
   on_placed(true);
   if (take_waiter(rx_.control().writer_waiting)) ring_peer();
   return !failed();
 }
 
+inline bool connection::start_ipc_copy(const proto::rx_plan& plan, const copy_engine::ipc_memory& m,
+                                        std::uint64_t off) noexcept {
+  skip_ = 0;
+  if (plan.want == 0) {  // nothing of it wanted (a dropped message)
+    count_copied();
+    on_placed(true);
+    if (take_waiter(rx_.control().writer_waiting)) ring_peer();
+    return !failed();
+  }
+  if (std::error_code ec = ce_->ipc_copy(m, off, plan.dst, plan.device, plan.want, &gpu_done_)) {
+    gdr::detail::log("shm", "a CUDA IPC copy out of pid %d's memory could not be started (%s); the connection fails",
+                     parts_.peer_pid, ec.message().c_str());
+    on_link_failed(ec);
+    return false;
+  }
+  gpu_ = {};
+  gpu_.active = true;
+  return false;
+}
+
+inline void connection::start_ring_copy(std::size_t n) noexcept {
+  std::size_t k = 0;
+  const std::byte* src = rx_.span(0, n, k);
+  if (std::error_code ec =
+          ce_->copy(copy_engine::direction::to_device, tgt_.device, tgt_.dst + tgt_.done, src, k, {}, &gpu_done_)) {
+    on_link_failed(ec);
+    return;
+  }
+  gpu_ = {};
+  gpu_.active = true;
+  gpu_.ring_bytes = k;
+  ++stats_.ring_gpu_copies;
+}
+
+inline void connection::on_gpu_done(copy_engine::completion* node, std::error_code ec) noexcept {
+  connection* c = static_cast<gpu_node*>(node)->self;
+  proto::event_scope ev(*c);
+  const gpu_job j = std::exchange(c->gpu_, gpu_job{});
+  if (j.ring_bytes != 0) {
+    // A piece of the ring is in Device memory: its room goes back.
+    c->rx_.consume(j.ring_bytes);
+    c->rx_.release();
+    if (!j.aborted) c->tgt_.done += j.ring_bytes;
+  } else if (!ec) {
+    ++c->stats_.ipc_copies;
+    c->count_copied();
+  }
+  if (take_waiter(c->rx_.control().writer_waiting)) c->ring_peer();
+  if (j.aborted) {
+    c->on_target_released();
+  } else if (ec) {
+    if (!c->failed()) c->on_link_failed(ec);
+  } else if (j.ring_bytes == 0) {
+    c->on_placed(true);
+  }
+  if (c->reading()) c->pump();
+  c->on_io_done();
+}
+
 inline bool connection::parse_one(std::size_t& avail) noexcept {
   std::byte h[wire::header_size];
   rx_.peek(h, 0, wire::header_size);
+  const bool ipc = h[ipc_mark] == std::byte{1};
+  if (ipc) {
+    if (!parts_.device_ipc) {
+      protocol_fail(gdr::tcp::frame_status::bad_field);  // not agreed
+      return false;
+    }
+    if (avail < wire::header_size + ipc_body) return false;  // its descriptor comes with it: soon
+    h[ipc_mark] = std::byte{0};
+  }
   gdr::tcp::frame_parse_result r = gdr::tcp::parse_frame(std::span<const std::byte>(h), options().max_message);
   if (r.status != gdr::tcp::frame_status::ok) {
     protocol_fail(r.status);
@@ -215,7 +342,21 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
     protocol_fail(gdr::tcp::frame_status::bad_field);  // out of step
     return false;
   }
-  const bool single = single_copy_in(r.header);
+  copy_engine::ipc_memory m;
+  std::uint64_t off = 0;
+  if (ipc) {
+    std::byte body[ipc_body];
+    rx_.peek(body, wire::header_size, ipc_body);
+    m = copy_engine::ipc_memory::from_wire(body);
+    std::memcpy(&off, body + copy_engine::ipc_memory::wire_size, sizeof off);
+    // The peer's own device memory, and the payload inside the allocation.
+    if (r.header.length == 0 || m.pid != parts_.peer_pid || m.device < 0 || off > m.size ||
+        r.header.length > m.size - off) {
+      protocol_fail(gdr::tcp::frame_status::bad_field);
+      return false;
+    }
+  }
+  const bool single = !ipc && single_copy_in(r.header);
   if (single && avail < wire::header_size + sizeof(std::uint64_t)) return false;  // its address comes with it: soon
   // The peer counted its copies of this side's payloads before it wrote
   // this frame: take them first (a close frame must not fail a send whose
@@ -233,6 +374,11 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   }
   ++rx_seq_;
   ++stats_.frames_in;
+  if (ipc) {
+    rx_.consume(wire::header_size + ipc_body);
+    avail -= wire::header_size + ipc_body;
+    return start_ipc_copy(plan, m, off);
+  }
   if (single) {
     std::uint64_t from = 0;
     rx_.peek(reinterpret_cast<std::byte*>(&from), wire::header_size, sizeof from);
@@ -248,6 +394,7 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   tgt_.dst = plan.dst;
   tgt_.want = plan.want;
   tgt_.discard = plan.discard;
+  tgt_.device = plan.device;
   return !failed();
 }
 
@@ -269,7 +416,7 @@ inline void connection::pump() noexcept {
     budget -= std::min(budget, n);
     took = true;
   };
-  while (!corrupt && live_ && !failed()) {
+  while (!corrupt && live_ && !failed() && !gpu_.active) {
     if (tgt_.active && tgt_.done == tgt_.want && !ending_) {
       target_done();  // (an empty payload is in place at once)
       continue;
@@ -299,6 +446,13 @@ inline void connection::pump() noexcept {
     }
     if (tgt_.active) {
       std::size_t n = std::min(tgt_.want - tgt_.done, avail);
+      if (n != 0 && tgt_.device >= 0) {
+        // Host bytes into Device memory: the GPU copies them out of the
+        // ring; the reader waits for it.
+        if (took) give_back();
+        start_ring_copy(n);
+        break;
+      }
       if (n != 0) {
         rx_.peek(tgt_.dst + tgt_.done, 0, n);
         tgt_.done += n;
@@ -325,10 +479,13 @@ inline bool connection::unread_ends_with_close() const noexcept {
   while (avail - at >= wire::header_size) {
     std::byte h[wire::header_size];
     rx_.peek(h, at, wire::header_size);
+    const std::byte mark = std::exchange(h[ipc_mark], std::byte{0});
     gdr::tcp::frame_parse_result r = gdr::tcp::parse_frame(std::span<const std::byte>(h), options().max_message);
     if (r.status != gdr::tcp::frame_status::ok) return false;
+    h[ipc_mark] = mark;
     close_last = r.header.type == proto::msg::close;
-    const std::uint64_t body = single_copy_in(r.header) ? sizeof(std::uint64_t) : r.header.length;
+    const bool ipc = h[ipc_mark] == std::byte{1};
+    const std::uint64_t body = ipc ? ipc_body : single_copy_in(r.header) ? sizeof(std::uint64_t) : r.header.length;
     if (body > avail - at - wire::header_size) return false;  // cut off in its payload
     at += wire::header_size + static_cast<std::size_t>(body);
   }
@@ -397,6 +554,7 @@ inline void connection::on_kick(remote_work* w) noexcept {
   connection* c = static_cast<kick_node*>(w)->self;
   proto::event_scope ev(*c);
   c->kick_posted_ = false;
+  if (c->export_failed_ && !c->failed()) c->on_link_failed(errc::unsupported);
   c->return_finished();
   if (!c->sent_.empty()) c->settle_copied(true);
   if (c->reading()) c->pump();
@@ -422,6 +580,9 @@ inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept 
   const bool cancelled = std::exchange(c->watch_cancelled_, false) || res == -ECANCELED;
   if (!cancelled) {
     c->peer_gone_ = true;
+    // Its mappings go (each once no copy uses it): an allocation of a
+    // process that ended is never read again, and its pid may come back.
+    if (c->ce_ != nullptr) c->ce_->ipc_forget(c->parts_.peer_pid);
     if (c->ending_) {
       c->pump();
       c->end_done();

@@ -21,6 +21,29 @@ struct transport {
   using stats_type = endpoint_stats;
 };
 
+/// How an endpoint moves `Device` memory.
+enum class device_path : std::uint8_t {
+  /// CUDA IPC where both processes can share device memory (each has a copy
+  /// engine that can: a `gdr::cuda::event_poller` on a machine with a GPU,
+  /// made before the endpoint), else staged; `GDR_LOG=path` and
+  /// `endpoint::device_ipc()` say which.
+  automatic,
+  /// CUDA IPC, or the endpoint is not made (`errc::unsupported`).
+  cuda_ipc,
+  /// Staged through pinned bounce buffers and the ring, as on TCP.
+  staged,
+};
+
+/// A printable name ("automatic", "cuda-ipc", "staged").
+constexpr const char* to_string(device_path p) noexcept {
+  switch (p) {
+    case device_path::automatic: return "automatic";
+    case device_path::cuda_ipc: return "cuda-ipc";
+    case device_path::staged: return "staged";
+  }
+  return "?";
+}
+
 /// Tuning of one endpoint.
 struct endpoint_options {
   /// The protocol layer's tuning (rendezvous threshold, early-message
@@ -49,6 +72,13 @@ struct endpoint_options {
   /// benchmarks/RESULTS.md). Try it where memory bandwidth, not the
   /// copies' overlap, is the limit.
   std::size_t single_copy_threshold = 0;
+  /// How `Device` memory moves (see `device_path`). Through CUDA IPC, a
+  /// `Device` payload is one GPU copy, made by the receiver (of a send, or
+  /// of a get's answer) or the target (of a put) straight out of the
+  /// owner's allocation, which the copier's engine imports once and keeps
+  /// mapped. Both ends must be able to: one that asks for `cuda_ipc` fails
+  /// the handshake with a peer that stages.
+  device_path device = device_path::automatic;
 };
 
 /// Counters of one endpoint: the protocol layer's, and the transport's.
@@ -61,6 +91,10 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t single_copies = 0;  ///< payloads this side copied straight from the peer's memory
   bool peer_reads_me = false;       ///< the peer copies this side's large payloads itself (see single_copy_threshold)
   bool reads_peer = false;          ///< this side copies the peer's large payloads itself
+  std::uint64_t ipc_copies = 0;     ///< Device payloads this side's GPU copied out of the peer's memory (CUDA IPC)
+  std::uint64_t ipc_exports = 0;    ///< Device payloads of this side's that went as CUDA IPC descriptors
+  std::uint64_t ring_gpu_copies = 0;  ///< pieces of host payloads copied from the ring into Device memory
+  bool device_ipc = false;          ///< Device memory moves by CUDA IPC on this endpoint (else staged)
 };
 
 /// A file descriptor, closed on destruction.

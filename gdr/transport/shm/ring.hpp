@@ -185,6 +185,13 @@ class ring {
     std::memcpy(dst, data_ + at, first);
     if (first < n) std::memcpy(dst + first, data_, n - first);
   }
+  /// The readable bytes `skip` past the reader's position, in place: a
+  /// pointer and how many of the next `n` follow it before the ring wraps.
+  const std::byte* span(std::size_t skip, std::size_t n, std::size_t& contiguous) const noexcept {
+    std::size_t at = static_cast<std::size_t>(pos_ + skip) & mask_;
+    contiguous = std::min(n, cap_ - at);
+    return data_ + at;
+  }
   /// Consumes `n` bytes (after peeking them, or to drop them).
   void consume(std::size_t n) noexcept { pos_ += n; }
   /// Gives the consumed room back to the writer.

@@ -1,0 +1,138 @@
+// cuda_ipc_bench: what gdr's CUDA IPC mapping cache costs (gdr/cuda/ipc.hpp),
+// beside the raw driver calls, in the same run.
+//
+//   cuda_ipc_bench [--allocs N] [--size BYTES] [--hits N]
+//
+// A child process (forked before CUDA is initialised here) allocates N
+// device buffers and exports them; the parent
+//   * imports each through gdr's cache (the first import: one
+//     cudaIpcOpenMemHandle, timed by the cache), and then opens a second
+//     set of the child's allocations with raw cudaIpcOpenMemHandle, timed
+//     the same way, for the ratio;
+//   * looks up an open allocation again and again (a cache hit: what every
+//     copy after the first pays), timing acquire + release per hit.
+// Goals (the CUDA IPC issue): first import <= 0.3 ms, hit < 1 us.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <gdr/cuda/event_poller.hpp>
+#include <gdr/cuda/ipc.hpp>
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+bool read_all(int fd, void* p, std::size_t n) {
+  auto* b = static_cast<char*>(p);
+  while (n != 0) {
+    ssize_t k = ::read(fd, b, n);
+    if (k <= 0) return false;
+    b += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int allocs = 16;
+  std::size_t size = std::size_t{4} << 20;
+  long hits = 200000;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string a = argv[i];
+    if (a == "--allocs") allocs = std::atoi(argv[i + 1]);
+    else if (a == "--size") size = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (a == "--hits") hits = std::atol(argv[i + 1]);
+  }
+  using memory = gdr::copy_engine::ipc_memory;
+  int to_parent[2], to_child[2];
+  if (::pipe(to_parent) != 0 || ::pipe(to_child) != 0) return 1;
+  pid_t c = ::fork();
+  if (c == 0) {
+    // The owner: 2N allocations exported (the first N for gdr's cache, the
+    // rest for the raw calls), kept until the parent is done.
+    gdr::cuda::ipc_share share;
+    std::vector<void*> bufs;
+    for (int i = 0; i < 2 * allocs; ++i) {
+      void* p = nullptr;
+      if (cudaMalloc(&p, size) != cudaSuccess) std::_Exit(2);
+      bufs.push_back(p);
+      memory m;
+      std::uint64_t off = 0;
+      const char* why = nullptr;
+      if (share.export_memory(p, size, m, off, &why)) {
+        std::fprintf(stderr, "export failed: %s\n", why != nullptr ? why : "?");
+        std::_Exit(3);
+      }
+      if (::write(to_parent[1], &m, sizeof m) != static_cast<ssize_t>(sizeof m)) std::_Exit(4);
+    }
+    char done = 0;
+    (void)::read(to_child[0], &done, 1);
+    for (void* p : bufs) (void)cudaFree(p);
+    std::_Exit(0);
+  }
+  std::vector<memory> ms(static_cast<std::size_t>(2 * allocs));
+  for (auto& m : ms)
+    if (!read_all(to_parent[0], &m, sizeof m)) {
+      std::fprintf(stderr, "the owner process failed (no GPU?)\n");
+      return 1;
+    }
+  (void)cudaSetDevice(0);
+  (void)cudaFree(nullptr);  // the context exists before anything is timed
+  gdr::cuda::ipc_share cache;
+  std::vector<double> gdr_first, raw_first;
+  std::vector<gdr::cuda::ipc_share::entry*> held;
+  for (int i = 0; i < allocs; ++i) {
+    auto e = cache.acquire(ms[static_cast<std::size_t>(i)]);
+    if (!e) {
+      std::fprintf(stderr, "import failed: %s\n", e.error().message().c_str());
+      return 1;
+    }
+    gdr_first.push_back(static_cast<double>(cache.stats().last_import_ns) / 1e3);
+    cache.release(*e);
+  }
+  for (int i = allocs; i < 2 * allocs; ++i) {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, ms[static_cast<std::size_t>(i)].handle, sizeof h);
+    void* p = nullptr;
+    const auto t0 = std::chrono::steady_clock::now();
+    const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    raw_first.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    if (e != cudaSuccess) return 1;
+    (void)cudaIpcCloseMemHandle(p);
+  }
+  // Hits: the same allocation again and again.
+  const memory& m0 = ms[0];
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < hits; ++i) {
+    auto e = cache.acquire(m0);
+    cache.release(*e);
+  }
+  const double hit_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
+                        static_cast<double>(hits);
+  const double g = median(gdr_first), r = median(raw_first);
+  std::printf("cuda_ipc_bench: %d allocations of %zu bytes\n", allocs, size);
+  std::printf("first import, gdr's cache:       median %8.1f us (max %.1f)   goal <= 300 us: %s\n", g,
+              *std::max_element(gdr_first.begin(), gdr_first.end()), g <= 300 ? "met" : "not met");
+  std::printf("first import, raw cudaIpcOpenMemHandle: median %8.1f us   ratio gdr/raw %.2fx\n", r, g / r);
+  std::printf("cache hit (acquire + release):   %8.1f ns   goal < 1000 ns: %s\n", hit_ns,
+              hit_ns < 1000 ? "met" : "not met");
+  char done = 1;
+  (void)::write(to_child[1], &done, 1);
+  int st = 0;
+  ::waitpid(c, &st, 0);
+  return 0;
+}

@@ -1,0 +1,330 @@
+/// \file
+/// CUDA IPC for the CUDA copy engine (`gdr::cuda::event_poller`): exporting
+/// this process's device allocations, and the cache of the peers'
+/// allocations imported here. The shared-memory transport's `Device` path
+/// uses them through `copy_engine::ipc_export` / `ipc_copy`.
+///
+/// Export. A pointer is looked up with the driver (`cuPointerGetAttributes`,
+/// reached through `cudaGetDriverEntryPointByVersion`: no link against
+/// libcuda): its allocation's start and size, its buffer id (unique in the
+/// process: an address freed and allocated again gets another), its GPU,
+/// whether it is managed memory, and whether the legacy IPC route can share
+/// it (`cudaMalloc` memory can; memory of the virtual memory API or of a
+/// memory pool, such as a caching allocator's expandable segments, cannot).
+/// What cannot be shared fails with `errc::unsupported` and a sentence
+/// saying what to do; nothing falls back to another path. The handle
+/// (`cudaIpcGetMemHandle`) is made once per allocation and kept, keyed by
+/// base address and checked by buffer id.
+///
+/// Import. A peer's allocation is opened once (`cudaIpcOpenMemHandle`) and
+/// kept in a cache keyed by (owner pid, GPU, base address); every hit is
+/// checked against the buffer id the owner sent, so a stale mapping (the
+/// owner freed the allocation and made another at the same address) is
+/// never used: it is replaced. Entries are reference-counted while copies
+/// use them; the cache is bounded by count and by the bytes of the
+/// allocations it keeps open, evicting the least recently used entry that
+/// no copy uses; `forget(pid)` closes a dead peer's entries (each once its
+/// last copy is done). An allocation of this very process (both endpoints
+/// in one process) is used as it is: the driver opens no handle of its own
+/// process.
+///
+/// Threads: the scheduler's thread only, like the poller.
+#pragma once
+
+#include <cuda.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <gdr/cuda/device.hpp>
+#include <gdr/cuda/error.hpp>
+#include <gdr/error.hpp>
+#include <gdr/sched/copy_engine.hpp>
+
+namespace gdr::cuda {
+
+/// Bounds of the cache of imported allocations.
+struct ipc_cache_options {
+  std::size_t max_entries = 256;                   ///< allocations kept open at most
+  std::uint64_t max_bytes = std::uint64_t{1} << 38;  ///< their bytes at most (256 GiB)
+};
+
+/// What the IPC part of the copy engine did.
+struct ipc_stats {
+  std::uint64_t exports = 0;          ///< payloads exported
+  std::uint64_t handles_made = 0;     ///< `cudaIpcGetMemHandle` calls (one per allocation)
+  std::uint64_t imports = 0;          ///< allocations opened (`cudaIpcOpenMemHandle`)
+  std::uint64_t hits = 0;             ///< copies that found their allocation open
+  std::uint64_t stale = 0;            ///< hits refused: the buffer id changed (replaced)
+  std::uint64_t evictions = 0;        ///< entries closed to stay within the bounds
+  std::uint64_t closed = 0;           ///< allocations closed (`cudaIpcCloseMemHandle`)
+  std::uint64_t last_import_ns = 0;   ///< how long the last `cudaIpcOpenMemHandle` took
+  std::uint64_t max_import_ns = 0;    ///< the longest
+};
+
+namespace detail {
+
+/// The driver entry point the export needs, found once.
+struct pointer_query {
+  using fn_t = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+  fn_t fn = nullptr;
+
+  static const pointer_query& get() noexcept {
+    static const pointer_query q = [] {
+      pointer_query r;
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult status{};
+      if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &p, 12000, cudaEnableDefault, &status) ==
+              cudaSuccess &&
+          status == cudaDriverEntryPointSuccess)
+        r.fn = reinterpret_cast<fn_t>(p);
+      else
+        (void)cudaGetLastError();
+      return r;
+    }();
+    return q;
+  }
+};
+
+}  // namespace detail
+
+/// The IPC state of one copy engine (see the file comment).
+class ipc_share {
+ public:
+  using memory = copy_engine::ipc_memory;
+
+  /// An open allocation of a peer's; copies hold a reference.
+  struct entry {
+    std::byte* mapped = nullptr;  ///< where the allocation is in this process
+    std::uint64_t buffer_id = 0;
+    std::uint64_t size = 0;
+    std::uint64_t last_use = 0;
+    int refs = 0;
+    int device = -1;
+    bool own = false;      ///< this process's own memory: nothing to close
+    bool retired = false;  ///< out of the cache: closed when its last copy is done
+  };
+
+  explicit ipc_share(ipc_cache_options o = {}) noexcept : opts_(o) {}
+  ipc_share(const ipc_share&) = delete;
+  ipc_share& operator=(const ipc_share&) = delete;
+  ~ipc_share() {
+    for (auto& [k, e] : open_) close(*e);
+    for (auto& e : retired_) close(*e);
+  }
+
+  /// Can this process share device memory at all (a GPU, and the driver's
+  /// pointer query)?
+  static bool capable() noexcept {
+    static const bool yes = device_unavailable_reason(0).empty() && detail::pointer_query::get().fn != nullptr;
+    return yes;
+  }
+
+  /// See `copy_engine::ipc_export`.
+  std::error_code export_memory(const void* p, std::size_t n, memory& out, std::uint64_t& offset,
+                                const char** why) noexcept {
+    auto say = [&](const char* s) {
+      if (why != nullptr) *why = s;
+      return make_error_code(errc::unsupported);
+    };
+    const detail::pointer_query& q = detail::pointer_query::get();
+    if (q.fn == nullptr) return say("the CUDA driver's pointer query is not available");
+    unsigned int type = 0, managed = 0, legacy = 0;
+    int ordinal = -1;
+    unsigned long long id = 0;
+    CUdeviceptr start = 0;
+    std::size_t size = 0;
+    CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                   CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                                   CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                                   CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                   CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                   CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                   CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+    void* data[] = {&type, &managed, &legacy, &ordinal, &id, &start, &size};
+    if (q.fn(7, attrs, data, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS || type != CU_MEMORYTYPE_DEVICE)
+      return say("not device memory the CUDA driver knows: allocate it with gdr::buffer<T, gdr::Device> "
+                 "(cudaMalloc), or set endpoint_options::device = staged");
+    if (managed != 0)
+      return say("managed memory (cudaMallocManaged) cannot be shared by CUDA IPC: allocate it with "
+                 "gdr::buffer<T, gdr::Device> (cudaMalloc), or set endpoint_options::device = staged");
+    if (legacy == 0)
+      return say("an allocation the CUDA driver cannot share by cudaIpcGetMemHandle (the virtual memory API or a "
+                 "memory pool, such as a caching allocator's expandable segments): allocate it with "
+                 "gdr::buffer<T, gdr::Device> (cudaMalloc), or set endpoint_options::device = staged");
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    if (at < start || n > size || at - start > size - n) return say("the range runs past its allocation's end");
+    auto it = handles_.find(start);
+    if (it == handles_.end() || it->second.buffer_id != id) {
+      cudaIpcMemHandle_t h{};
+      {
+        device_guard g(ordinal);
+        if (g.error()) return g.error();
+        if (std::error_code ec = check(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(start)), "cudaIpcGetMemHandle"))
+          return ec;
+      }
+      ++stats_.handles_made;
+      try {
+        if (handles_.size() >= 4096) handles_.clear();  // a bound: the handles are made again when needed
+        handle_entry& e = handles_[start];
+        e.buffer_id = id;
+        std::memcpy(e.handle, &h, sizeof h);
+        it = handles_.find(start);
+      } catch (...) {
+        return make_error_code(std::errc::not_enough_memory);
+      }
+    }
+    static_assert(sizeof(cudaIpcMemHandle_t) == sizeof out.handle);
+    std::memcpy(out.handle, it->second.handle, sizeof out.handle);
+    out.base = start;
+    out.size = size;
+    out.buffer_id = id;
+    out.device = ordinal;
+    out.pid = static_cast<std::int32_t>(::getpid());
+    offset = at - start;
+    ++stats_.exports;
+    return {};
+  }
+
+  /// The peer's allocation `m`, open (imported now, or found in the cache
+  /// with the same buffer id), with one more reference; `release` it when
+  /// the copy is done.
+  result<entry*> acquire(const memory& m) noexcept {
+    const key k{m.pid, m.device, m.base};
+    auto it = open_.find(k);
+    if (it != open_.end()) {
+      entry& e = *it->second;
+      if (e.buffer_id == m.buffer_id && e.size == m.size) {
+        ++stats_.hits;
+        ++e.refs;
+        e.last_use = ++clock_;
+        return &e;
+      }
+      ++stats_.stale;  // freed and allocated again at the same address
+      retire(it);
+    }
+    evict_for(m.size);
+    auto e = std::make_unique<entry>();
+    e->buffer_id = m.buffer_id;
+    e->size = m.size;
+    e->device = m.device;
+    if (m.pid == ::getpid()) {
+      e->own = true;
+      e->mapped = reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(m.base));
+    } else {
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, m.handle, sizeof h);
+      void* p = nullptr;
+      device_guard g(m.device);
+      if (g.error()) return g.error();
+      const auto t0 = std::chrono::steady_clock::now();
+      if (std::error_code ec = check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+        return ec;
+      const auto ns = static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+      stats_.last_import_ns = ns;
+      if (ns > stats_.max_import_ns) stats_.max_import_ns = ns;
+      ++stats_.imports;
+      e->mapped = static_cast<std::byte*>(p);
+    }
+    e->refs = 1;
+    e->last_use = ++clock_;
+    entry* raw = e.get();
+    try {
+      open_.emplace(k, std::move(e));
+    } catch (...) {
+      close(*raw);
+      return make_error_code(std::errc::not_enough_memory);
+    }
+    bytes_ += m.size;
+    return raw;
+  }
+
+  /// A copy that used `e` is done.
+  void release(entry* e) noexcept {
+    if (--e->refs != 0 || !e->retired) return;
+    close(*e);
+    std::erase_if(retired_, [e](const std::unique_ptr<entry>& r) { return r.get() == e; });
+  }
+
+  /// Process `pid` ended: its entries are closed (those in use once their
+  /// copies are done).
+  void forget(int pid) noexcept {
+    for (auto it = open_.begin(); it != open_.end();) {
+      auto next = std::next(it);
+      if (std::get<0>(it->first) == pid) retire(it);
+      it = next;
+    }
+  }
+
+  /// Entries open now, and their bytes.
+  std::size_t size() const noexcept { return open_.size(); }
+  std::uint64_t bytes() const noexcept { return bytes_; }
+  const ipc_stats& stats() const noexcept { return stats_; }
+
+ private:
+  using key = std::tuple<int, int, std::uint64_t>;  // owner pid, GPU, base address
+  struct handle_entry {
+    std::uint64_t buffer_id = 0;
+    std::byte handle[64]{};
+  };
+
+  void close(entry& e) noexcept {
+    if (e.own || e.mapped == nullptr) return;
+    device_guard g(e.device);
+    check_or_log(cudaIpcCloseMemHandle(e.mapped), "cudaIpcCloseMemHandle");
+    e.mapped = nullptr;
+    ++stats_.closed;
+  }
+
+  /// Takes `it` out of the cache: closed now, or once no copy uses it.
+  void retire(std::map<key, std::unique_ptr<entry>>::iterator it) noexcept {
+    std::unique_ptr<entry> e = std::move(it->second);
+    bytes_ -= e->size;
+    open_.erase(it);
+    if (e->refs == 0) {
+      close(*e);
+      return;
+    }
+    e->retired = true;
+    try {
+      retired_.push_back(std::move(e));
+    } catch (...) {
+      // Out of memory keeping it: it stays open (mapped) until exit.
+      (void)e.release();
+    }
+  }
+
+  /// Room for an allocation of `bytes`: evicts the least recently used
+  /// entries no copy uses.
+  void evict_for(std::uint64_t bytes) noexcept {
+    while (!open_.empty() && (open_.size() + 1 > opts_.max_entries || bytes_ + bytes > opts_.max_bytes)) {
+      auto victim = open_.end();
+      for (auto it = open_.begin(); it != open_.end(); ++it)
+        if (it->second->refs == 0 && (victim == open_.end() || it->second->last_use < victim->second->last_use))
+          victim = it;
+      if (victim == open_.end()) return;  // all in use: over the bound until copies finish
+      ++stats_.evictions;
+      retire(victim);
+    }
+  }
+
+  ipc_cache_options opts_;
+  std::map<key, std::unique_ptr<entry>> open_;
+  std::vector<std::unique_ptr<entry>> retired_;
+  std::unordered_map<std::uint64_t, handle_entry> handles_;  // this process's exports, by base address
+  std::uint64_t bytes_ = 0;
+  std::uint64_t clock_ = 0;
+  ipc_stats stats_;
+};
+
+}  // namespace gdr::cuda
