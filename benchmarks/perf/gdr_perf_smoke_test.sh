@@ -37,7 +37,7 @@ run tcp_put 2 --op put --sizes 8,64K
 run tcp_get_pinned 2 --op get --space pinned --peer-space host --sizes 8,64K
 run shm_send 2 --transport shm --sizes 8,1M
 run shm_put 2 --transport shm --op put --sizes 8,64K
-refused ipc "not built yet" --transport ipc
+refused ipc "the shm transport.s Device path" --transport ipc
 refused fetch_add "no remote atomics" --op fetch_add
 refused bad_size "not a size" --sizes 8,lots
 refused verbs_no_ip "IP address" --transport verbs --verbs-ip ""
