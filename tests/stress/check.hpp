@@ -94,15 +94,18 @@ inline void check_outcome(const plan& p, const run_record& rr, const op_record& 
       bad("rma-refusal", "a put into a window revoked before it started succeeded");
     const bool dev = o.mem == space::device || ((o.kind == op_kind::put || o.kind == op_kind::get) &&
                                                 o.remote == space::device);
-    if (o.kind != op_kind::close && dev && o.rep.path != gdr::transfer_path::staged_pinned)
+    // (CUDA IPC moves Device memory on either side directly.)
+    const bool ipc = p.transport == transport_kind::shm_ipc;
+    const gdr::transfer_path device_path = ipc ? gdr::transfer_path::cuda_ipc : gdr::transfer_path::staged_pinned;
+    if (o.kind != op_kind::close && dev && o.rep.path != device_path)
       bad("report", strf("Device memory, path %s", gdr::to_string(o.rep.path)));
     // (Host memory whose peer side is Device memory may report the staged
     // path: "Device memory on either side", GUIDE section 9.)
     // (Shared memory copies every host payload through its rings.)
-    const bool shm = p.transport == transport_kind::shm || p.transport == transport_kind::shm_kill;
+    const bool shm = p.transport == transport_kind::shm || p.transport == transport_kind::shm_kill || ipc;
     const gdr::transfer_path bulk = shm ? gdr::transfer_path::shared_memory : gdr::transfer_path::host_zero_copy;
     if (o.kind != op_kind::close && !dev && o.rep.path != bulk &&
-        o.rep.path != gdr::transfer_path::host_eager && o.rep.path != gdr::transfer_path::staged_pinned)
+        o.rep.path != gdr::transfer_path::host_eager && o.rep.path != device_path)
       bad("report", strf("host memory, path %s", gdr::to_string(o.rep.path)));
   } else if (is(e, gdr::errc::cancelled)) {
     if (!o.stop_fired) bad("outcome", "cancelled, but its stop never fired");
@@ -131,6 +134,11 @@ inline void check_outcome(const plan& p, const run_record& rr, const op_record& 
       bad("connection-lost", peer.close_start != 0 && before(peer.close_start)
                                  ? "connection_lost although the peer closed in order"
                                  : "connection_lost although the peer neither dropped nor aborted");
+  } else if (is(e, gdr::errc::gpudirect_unavailable)) {
+    // A Device receive on a CUDA IPC endpoint takes only messages moved
+    // straight into it: an eager host message fails it (and stays).
+    if (p.transport != transport_kind::shm_ipc || o.kind != op_kind::recv || o.mem != space::device)
+      bad("outcome", "gpudirect_unavailable outside a Device receive on a CUDA IPC endpoint");
   } else if (is(e, gdr::errc::protocol_error)) {
     bad("protocol-error", "between two endpoints of the same build");
   } else {
@@ -148,7 +156,10 @@ inline void check_outcome(const plan& p, const run_record& rr, const op_record& 
   if (o.state_at_start && !is(o.state_at_start, gdr::errc::closed) && o.kind != op_kind::recv && e != o.state_at_start &&
       !stopped)
     bad("broken-endpoint", strf("started on an endpoint broken with %s", o.state_at_start.message().c_str()));
-  if (o.state_at_start && o.kind == op_kind::recv && e && !is(e, gdr::errc::truncated) && e != o.state_at_start &&
+  // (A kept message still matches a receive on a broken endpoint: it may
+  // truncate it, or refuse a Device receive on a CUDA IPC endpoint.)
+  if (o.state_at_start && o.kind == op_kind::recv && e && !is(e, gdr::errc::truncated) &&
+      !is(e, gdr::errc::gpudirect_unavailable) && e != o.state_at_start &&
       !(is(o.state_at_start, gdr::errc::closed) && is_endpoint_error(e)) && !stopped)
     bad("broken-endpoint", strf("a receive started on an endpoint broken with %s", o.state_at_start.message().c_str()));
   // A send the peer declined while closing (GUIDE section 8) fails with

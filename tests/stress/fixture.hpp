@@ -96,6 +96,22 @@ struct shm_fixture {
   }
 };
 
+/// Shared memory with Device memory by CUDA IPC: the copy engine's stand-in
+/// (guarded_copy_engine with `ipc` on) copies out of the peer's Device
+/// views, which only it may touch.
+struct shm_ipc_fixture {
+  using endpoint = gdr::shm::endpoint;
+  static constexpr transport_kind kind = transport_kind::shm_ipc;
+  static std::string skip_reason() { return {}; }
+  static gdr::task<std::pair<endpoint, endpoint>> pair(gdr::scheduler& s, gdr::memory_registry& reg, const plan& p) {
+    gdr::shm::endpoint_options oa = shm_options(p, 0), ob = shm_options(p, 1);
+    oa.device = ob.device = gdr::shm::device_path::cuda_ipc;
+    gdr::shm::listener l(s, {}, reg, ob);
+    auto [x, y] = co_await gdr::when_all(gdr::shm::connect(s, l.name(), reg, oa), l.accept());
+    co_return std::pair<endpoint, endpoint>(std::move(x), std::move(y));
+  }
+};
+
 #if STRESS_VERBS
 /// Verbs over the RDMA device at GDR_VERBS_IP (tests/verbs/verbs_fixture.hpp).
 struct verbs_fixture {

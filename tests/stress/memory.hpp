@@ -274,6 +274,51 @@ class guarded_copy_engine final : public gdr::copy_engine {
     return {};
   }
 
+  // CUDA IPC's stand-in (`ipc`): an export names the Device view's bytes
+  // themselves, and a copy out of it (into a Device view, or host memory)
+  // is the engine's like any other: only it touches Device memory.
+  bool ipc_capable() const noexcept override { return ipc; }
+
+  std::error_code ipc_export(const void* p, std::size_t n, ipc_memory& out, std::uint64_t& offset,
+                             const char** why) noexcept override {
+    const auto* d = static_cast<const std::byte*>(p);
+    block* b = mem_->find(d);
+    if (!ipc || b == nullptr || b->where() != space::device || d < b->data() || d + n > b->data() + b->size()) {
+      j_->fail("ipc-export", strf("an export of %zu bytes outside every Device view", n));
+      if (why != nullptr) *why = "not a Device view";
+      return gdr::errc::unsupported;
+    }
+    out = {};
+    out.base = reinterpret_cast<std::uintptr_t>(p);
+    out.size = n;
+    out.buffer_id = 1;
+    out.device = 0;
+    out.pid = static_cast<std::int32_t>(::getpid());
+    offset = 0;
+    ++ipc_exports;
+    return {};
+  }
+
+  std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device, std::size_t n,
+                           completion* c) noexcept override {
+    const auto* from = reinterpret_cast<const std::byte*>(static_cast<std::uintptr_t>(src.base + offset));
+    if (!ipc || n == 0 || dst == nullptr || c == nullptr || offset + n > src.size || src.pid != ::getpid()) {
+      j_->fail("copy-engine", strf("ipc_copy of %zu bytes: an argument is out of its domain", n));
+      return gdr::errc::invalid_argument;
+    }
+    if (dst_device >= 0) check(static_cast<const std::byte*>(dst), nullptr, n, "queued");
+    check(from, nullptr, n, "queued");
+    try {
+      queue_[0].push_back({c, static_cast<std::byte*>(dst), from, n, direction::to_host,
+                           static_cast<unsigned>(rng_.below(max_delay_ + 1)), true, dst_device >= 0});
+    } catch (...) {
+      return gdr::errno_code(ENOMEM);
+    }
+    ++in_flight_;
+    ++copies;
+    return {};
+  }
+
   pinned_block allocate_pinned(std::size_t n) noexcept override {
     void* p = ::mmap(nullptr, n == 0 ? 1 : n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return {};
@@ -302,7 +347,20 @@ class guarded_copy_engine final : public gdr::copy_engine {
       const std::byte* dev = e.d == direction::to_host ? e.src : e.dst;
       const std::byte* host = e.d == direction::to_host ? e.dst : e.src;
       std::error_code ec;
-      if (block* b = check(dev, host, e.n, "run")) {
+      if (e.ipc) {
+        // Out of the peer's Device view into a Device view or host memory.
+        block* s = check(e.src, nullptr, e.n, "run");
+        block* d = e.dst_device ? check(e.dst, nullptr, e.n, "run") : nullptr;
+        if (s != nullptr && (d != nullptr || !e.dst_device)) {
+          s->unprotect();
+          if (d != nullptr && d != s) d->unprotect();
+          std::memcpy(e.dst, e.src, e.n);
+          if (d != nullptr && d != s) d->protect();
+          s->protect();
+        } else {
+          ec = gdr::errc::device_error;
+        }
+      } else if (block* b = check(dev, host, e.n, "run")) {
         b->unprotect();
         std::memcpy(e.dst, e.src, e.n);
         b->protect();
@@ -319,6 +377,8 @@ class guarded_copy_engine final : public gdr::copy_engine {
   const char* name() const noexcept override { return "stress-guarded-copies"; }
   std::size_t in_flight() const noexcept { return in_flight_; }
   std::size_t copies = 0;
+  bool ipc = false;  ///< CUDA IPC's stand-in is on (a shm-ipc run)
+  std::size_t ipc_exports = 0;
 
  private:
   struct entry {
@@ -328,13 +388,18 @@ class guarded_copy_engine final : public gdr::copy_engine {
     std::size_t n;
     direction d;
     unsigned delay;
+    bool ipc = false;         // a CUDA IPC copy out of a peer's Device view
+    bool dst_device = false;  // ... into a Device view (else host memory)
   };
 
   /// The Device block the copy may touch, or null (and a failure recorded)
   /// if it may not touch it; a block not in use is recorded but returned
   /// (the bytes land, and the late-write check sees them too).
   block* check(const std::byte* dev, const std::byte* host, std::size_t n, const char* when) {
-    if (!pinned_table::get().holds(host, n))
+    // (null `host`: a CUDA IPC copy's Device side alone. With CUDA IPC a
+    // host payload reaches Device memory straight from the ring, not
+    // through a pinned block.)
+    if (host != nullptr && !ipc && !pinned_table::get().holds(host, n))
       j_->fail("copy-host-range", strf("a %s copy of %zu bytes uses host memory outside every pinned block", when, n));
     block* b = mem_->find(dev);
     if (b == nullptr || b->where() != space::device || dev < b->data() || dev + n > b->data() + b->size()) {

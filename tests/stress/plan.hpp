@@ -25,7 +25,7 @@ namespace stress {
 
 using namespace std::chrono_literals;
 
-enum class transport_kind : std::uint8_t { loopback, tcp, tcp_kill, verbs, shm, shm_kill };
+enum class transport_kind : std::uint8_t { loopback, tcp, tcp_kill, verbs, shm, shm_kill, shm_ipc };
 inline const char* to_string(transport_kind t) noexcept {
   switch (t) {
     case transport_kind::loopback: return "loopback";
@@ -34,6 +34,7 @@ inline const char* to_string(transport_kind t) noexcept {
     case transport_kind::verbs: return "verbs";
     case transport_kind::shm: return "shm";
     case transport_kind::shm_kill: return "shm-kill";
+    case transport_kind::shm_ipc: return "shm-ipc";
   }
   return "?";
 }

@@ -38,6 +38,7 @@ inline bool run_and_print(const run_config& c) {
     case transport_kind::tcp_kill: fs = run_kill<tcp_net>(c); break;
     case transport_kind::shm: fs = run_in_process<shm_fixture>(c); break;
     case transport_kind::shm_kill: fs = run_kill<shm_net>(c); break;
+    case transport_kind::shm_ipc: fs = run_in_process<shm_ipc_fixture>(c); break;
     case transport_kind::verbs:
 #if STRESS_VERBS
       if (std::string why = verbs_fixture::skip_reason(); !why.empty()) {

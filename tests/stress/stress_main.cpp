@@ -42,9 +42,10 @@ std::vector<transport_kind> transports_of(const std::string& s) {
   if (s == "verbs") return {transport_kind::verbs};
   if (s == "shm") return {transport_kind::shm};
   if (s == "shm-kill") return {transport_kind::shm_kill};
+  if (s == "shm-ipc") return {transport_kind::shm_ipc};
   if (s == "all") {
     std::vector<transport_kind> v{transport_kind::loopback, transport_kind::tcp, transport_kind::tcp_kill,
-                                  transport_kind::shm, transport_kind::shm_kill};
+                                  transport_kind::shm, transport_kind::shm_kill, transport_kind::shm_ipc};
     if (STRESS_VERBS) v.push_back(transport_kind::verbs);
     return v;
   }

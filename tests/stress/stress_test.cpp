@@ -1,5 +1,6 @@
-// The stress test in CI: a fixed set of seeds over loopback, TCP and TCP with
-// a killed peer process, in both run modes, each run in a forked child
+// The stress test in CI: a fixed set of seeds over loopback, TCP, shared
+// memory (with Device memory staged, and by CUDA IPC's stand-in) and with a
+// killed peer process, in both run modes, each run in a forked child
 // (runner.hpp) so that a crash or a hang names its seed. Operation counts and
 // bounds shrink under sanitizers; GDR_STRESS_TEST_SEEDS sets how many seeds
 // run per transport and mode. A failure prints the runner's line and the
@@ -78,6 +79,21 @@ TEST_CASE("seeded random traffic over shared memory holds every rule, in both ru
 // Seeds a long run found failing, each fixed since; they run on the default
 // plan sizes (under sanitizers the same seed draws a smaller plan, which may
 // not reach the same moment).
+TEST_CASE("seeded random traffic over shared memory with Device memory by CUDA IPC holds every rule, in both run modes") {
+  run_seeds({transport_kind::shm_ipc});
+}
+
+TEST_CASE("seeds the first runs found hold over CUDA IPC: no single copy, a close after the copies, the hang-up after the reader") {
+  // 568: a host payload sent as an address into a Device receive (single
+  // copy and CUDA IPC together; now never both). 367: a put's source
+  // released while the target's GPU copy of it was still queued (the
+  // target ended its socket before the copy). 281, 238: an orderly close
+  // read as a lost connection (the hang-up taken while the reader waited
+  // for a GPU copy, before it had read the close frame). 516: a kept eager
+  // message refusing a Device receive on a broken endpoint.
+  run_seeds({transport_kind::shm_ipc}, {238, 281, 367, 516, 568});
+}
+
 TEST_CASE("seeds the long runs found hold over TCP: nothing follows a close frame") {
   // A put or get moved as segments posted its next request after the close
   // frame had been posted; the peer, its reader paused for an rx bounce

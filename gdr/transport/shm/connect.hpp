@@ -294,9 +294,11 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
   if (co_await unix_call(s, oo, unix_call::kind::sendmsg, sock.get(), &m1) != 1 ||
       co_await unix_call(s, oo, unix_call::kind::recvmsg, sock.get(), &m2) != 1 || heard > 1)
     throw gdr::error(make_error_code(errc::protocol_error), "gdr::shm: the handshake's second step failed");
-  parts.i_read_peer = can != 0;
-  parts.peer_single_copy = can != 0 ? static_cast<std::size_t>(theirs.single_copy) : 0;
-  parts.peer_reads_me = heard != 0 && o.single_copy_threshold != 0;
+  // With CUDA IPC no payload goes as an address: the receiver could not
+  // copy it with the CPU into Device memory (both sides know it alike).
+  parts.i_read_peer = can != 0 && !parts.device_ipc;
+  parts.peer_single_copy = parts.i_read_peer ? static_cast<std::size_t>(theirs.single_copy) : 0;
+  parts.peer_reads_me = heard != 0 && o.single_copy_threshold != 0 && !parts.device_ipc;
   parts.sock = std::move(sock);
   co_return parts;
 }

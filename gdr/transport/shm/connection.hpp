@@ -387,6 +387,10 @@ class connection final : public proto::engine {
 
   void arm_watch() noexcept;
   static void on_watch(operation* o, int res, std::uint32_t) noexcept;
+  /// The peer's socket hung up (its process, or its side, ended): read
+  /// what it wrote, decide whether the end was orderly, release what it
+  /// will not copy.
+  void peer_ended() noexcept;
   /// The orderly end is over (the peer's hang-up came, or the linger
   /// expired): stop everything in flight.
   void end_done() noexcept;
@@ -397,6 +401,18 @@ class connection final : public proto::engine {
     }
   }
   void arm_linger(std::chrono::milliseconds bound) noexcept;
+  /// Ends this side of the socket (`SHUT_WR` or `SHUT_RDWR`): the peer sees
+  /// it as this side's end, and takes back the payloads this side has not
+  /// copied. While a GPU copy out of the peer's memory runs, not yet: at
+  /// its completion (`end_due_`).
+  void end_socket(int how) noexcept {
+    if (!parts_.sock.valid()) return;
+    if (gpu_.active && gpu_.ring_bytes == 0) {
+      end_due_ = std::max(end_due_, how);
+      return;
+    }
+    ::shutdown(parts_.sock.get(), how);
+  }
   void end_linger() noexcept {
     if (linger_inflight_ && !linger_cancelled_) {
       linger_cancelled_ = true;
@@ -448,6 +464,8 @@ class connection final : public proto::engine {
   copy_engine* ce_ = nullptr;  // CUDA IPC: the scheduler's copy engine
   gpu_node gpu_done_{};
   gpu_job gpu_{};
+  bool hangup_due_ = false;  // the peer's hang-up came while a GPU copy ran: taken at its completion
+  int end_due_ = -1;  // a shutdown of the socket waiting for the GPU copy (SHUT_WR, SHUT_RDWR)
 
   // the bell, the watch, the orderly end
   conn_op bell_op_{};

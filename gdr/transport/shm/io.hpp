@@ -310,6 +310,9 @@ inline void connection::on_gpu_done(copy_engine::completion* node, std::error_co
     c->count_copied();
   }
   if (take_waiter(c->rx_.control().writer_waiting)) c->ring_peer();
+  // This side's end waited for the copy (the peer's memory is its own
+  // again once the copy is counted): now.
+  if (c->end_due_ >= 0) c->end_socket(std::exchange(c->end_due_, -1));
   if (j.aborted) {
     c->on_target_released();
   } else if (ec) {
@@ -318,6 +321,11 @@ inline void connection::on_gpu_done(copy_engine::completion* node, std::error_co
     c->on_placed(true);
   }
   if (c->reading()) c->pump();
+  if (c->hangup_due_ && !c->gpu_.active) {
+    c->hangup_due_ = false;
+    c->peer_ended();
+    c->return_finished();
+  }
   c->on_io_done();
 }
 
@@ -583,34 +591,45 @@ inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept 
     // Its mappings go (each once no copy uses it): an allocation of a
     // process that ended is never read again, and its pid may come back.
     if (c->ce_ != nullptr) c->ce_->ipc_forget(c->parts_.peer_pid);
-    if (c->ending_) {
-      c->pump();
-      c->end_done();
-    } else if (c->live_ && !c->failed()) {
-      // The copies the peer counted before it ended, and what it wrote
-      // (still in the ring).
-      if (!c->sent_.empty()) c->settle_copied(true);
-      const bool all_copied = c->sent_.empty();
-      if (c->reading()) c->pump();
-      // An orderly end: the peer's close frame came (or is in what the
-      // paused reader has not read), or this side's close frame is out and
-      // the peer copied everything before it (its end answers the close;
-      // this side's close goes on to link_close, which finds it gone).
-      const bool orderly = c->saw_close_ || (c->close_written_ && all_copied) ||
-                           (c->rx_paused_ && c->unread_ends_with_close());
-      if (!c->failed() && !orderly) c->on_link_failed(errc::connection_lost);
-    }
-    // The peer ended its half: it copies nothing more from this side (a
-    // side ends its socket before it stops, and copies nothing after), so
-    // what it did not copy is released, and the bounce buffers and the
-    // reader's pause that waited on those frames go on.
-    c->release_sent();
-    // A shut-down connection that held them for the peer's end (the linger
-    // timer as its bound) has nothing left to wait for.
-    if (!c->live_ && !c->ending_) c->end_linger();
+    // What the peer wrote before it ended is read first: while the reader
+    // waits for a GPU copy, its end is taken at the copy's completion.
+    if (c->gpu_.active) c->hangup_due_ = true;
+    else c->peer_ended();
   }
   c->return_finished();
   c->on_io_done();
+}
+
+inline void connection::peer_ended() noexcept {
+  // The copies the peer counted before it ended are done, whatever else.
+  if (!sent_.empty()) settle_copied(true);
+  if (ending_) {
+    pump();
+    end_done();
+  } else if (live_ && !failed()) {
+    // What the peer wrote (still in the ring).
+    const bool all_copied = sent_.empty();
+    if (reading()) pump();
+    if (gpu_.active) {
+      hangup_due_ = true;  // the reader waits for a GPU copy again: go on at its completion
+      return;
+    }
+    // An orderly end: the peer's close frame came (or is in what the
+    // paused reader has not read), or this side's close frame is out and
+    // the peer copied everything before it (its end answers the close;
+    // this side's close goes on to link_close, which finds it gone).
+    const bool orderly = saw_close_ || (close_written_ && all_copied) ||
+                         (rx_paused_ && unread_ends_with_close());
+    if (!failed() && !orderly) on_link_failed(errc::connection_lost);
+  }
+  // The peer ended its half: it copies nothing more from this side (a
+  // side ends its socket before it stops, and copies nothing after), so
+  // what it did not copy is released, and the bounce buffers and the
+  // reader's pause that waited on those frames go on.
+  release_sent();
+  // A shut-down connection that held them for the peer's end (the linger
+  // timer as its bound) has nothing left to wait for.
+  if (!live_ && !ending_) end_linger();
 }
 
 inline void connection::end_done() noexcept {
@@ -631,12 +650,12 @@ inline void connection::link_shutdown() noexcept {
     // half only (the peer sees the hang-up at once and stops), and release
     // them at the peer's end (the watch) or after the bound (the linger
     // timer, which then shuts both halves).
-    ::shutdown(parts_.sock.get(), SHUT_WR);
+    end_socket(SHUT_WR);
     if (!linger_inflight_) arm_linger(hold_bound());
   } else {
     end_linger();
     // The peer sees the hang-up at once; this side's watch returns too.
-    if (parts_.sock.valid()) ::shutdown(parts_.sock.get(), SHUT_RDWR);
+    end_socket(SHUT_RDWR);
   }
   drop_unsent();
 }
@@ -644,7 +663,7 @@ inline void connection::link_shutdown() noexcept {
 inline bool connection::link_close() noexcept {
   rx_paused_ = false;
   if (!live_ || !parts_.sock.valid()) return false;
-  ::shutdown(parts_.sock.get(), SHUT_WR);
+  end_socket(SHUT_WR);
   drop_unsent();
   ending_ = true;
   if (peer_gone_ || !watch_inflight_) {
@@ -687,7 +706,7 @@ inline void connection::on_linger(operation* o, int, std::uint32_t) noexcept {
   c->linger_cancelled_ = false;
   // Still ending, or still holding payloads the peer might copy: the peer
   // did not end in time. Both halves down: the watch returns and ends it.
-  if ((c->ending_ || !c->sent_.empty()) && c->parts_.sock.valid()) ::shutdown(c->parts_.sock.get(), SHUT_RDWR);
+  if (c->ending_ || !c->sent_.empty()) c->end_socket(SHUT_RDWR);
   c->on_io_done();
 }
 
