@@ -49,27 +49,33 @@ struct env {
 
 class dev_mem {
  public:
-  explicit dev_mem(std::size_t n) : n_(n) {
-    gdr::cuda::device_guard g(0);
+  explicit dev_mem(std::size_t n, int device = 0) : n_(n), device_(device) {
+    gdr::cuda::device_guard g(device);
     if (cudaMalloc(&p_, n == 0 ? 1 : n) != cudaSuccess) throw std::bad_alloc();
   }
   dev_mem(const dev_mem&) = delete;
   dev_mem& operator=(const dev_mem&) = delete;
-  ~dev_mem() { (void)cudaFree(p_); }
-  gdr::view<std::byte, gdr::Device> view() const noexcept { return {static_cast<std::byte*>(p_), n_, 0}; }
+  ~dev_mem() {
+    gdr::cuda::device_guard g(device_);
+    (void)cudaFree(p_);
+  }
+  gdr::view<std::byte, gdr::Device> view() const noexcept { return {static_cast<std::byte*>(p_), n_, device_}; }
   // cudaMemcpy from pageable memory and cudaMemset may return before the
   // device has the bytes, and the staged path's copies run on streams that
   // do not wait for the legacy stream: both wait for the device.
   void fill(const std::vector<std::byte>& v) {
+    gdr::cuda::device_guard g(device_);
     if (!v.empty()) (void)cudaMemcpy(p_, v.data(), std::min(v.size(), n_), cudaMemcpyHostToDevice);
     (void)cudaDeviceSynchronize();
   }
   void set(std::byte b) {
+    gdr::cuda::device_guard g(device_);
     (void)cudaMemset(p_, static_cast<int>(b), n_);
     (void)cudaDeviceSynchronize();
   }
   std::vector<std::byte> read() const {
     std::vector<std::byte> v(n_);
+    gdr::cuda::device_guard g(device_);
     if (n_ != 0) (void)cudaMemcpy(v.data(), p_, n_, cudaMemcpyDeviceToHost);
     return v;
   }
@@ -78,6 +84,7 @@ class dev_mem {
  private:
   void* p_ = nullptr;
   std::size_t n_;
+  int device_ = 0;
 };
 
 #else
@@ -96,7 +103,7 @@ struct env {
 
 class dev_mem {
  public:
-  explicit dev_mem(std::size_t n) : m_(n) {}
+  explicit dev_mem(std::size_t n, int = 0) : m_(n) {}
   gdr::view<std::byte, gdr::Device> view() noexcept { return {m_.data(), m_.size(), 0}; }
   void fill(const std::vector<std::byte>& v) {
     if (!v.empty() && !m_.empty()) std::memcpy(m_.data(), v.data(), std::min(v.size(), m_.size()));

@@ -440,6 +440,16 @@ gdr::task<bool> peer_body(shm::endpoint& ep, const std::string& scenario) {
     }
     co_return true;
   }
+  if (scenario == "other-gpu") {
+    // This process's buffers on GPU 1, the parent's on GPU 0: the copies
+    // go peer to peer (NVLink or PCIe).
+    for (std::size_t n : {std::size_t{4096}, std::size_t{64} << 20}) {
+      staged::dev_mem in(n, 1);
+      if (co_await ep.recv(in.view(), tag{1}) != n) co_return false;
+      co_await ep.send(in.view(), tag{2});
+    }
+    co_return true;
+  }
   if (scenario == "reuse") {
     // An allocation freed and made again (the same address, most likely)
     // between two sends: the importer must not read the old mapping.
@@ -514,7 +524,7 @@ void with_peer(const std::string& scenario, Body body, pid_t* peer_out = nullptr
   }());
   sched.drain();
   int st = wait_exit(pid);
-  if (scenario == "exchange" || scenario == "reuse") {
+  if (scenario == "exchange" || scenario == "reuse" || scenario == "other-gpu") {
     CHECK(WIFEXITED(st));
     CHECK(WEXITSTATUS(st) == 0);
   }
@@ -633,6 +643,33 @@ TEST_CASE("the owner or the importer killed in the middle of a CUDA IPC copy: pe
     if (gdr::cuda::event_poller* ev = gdr::cuda::event_poller::of(ep.get_scheduler()))
       MESSAGE("mappings open " << ev->ipc().size() << ", closed so far " << ev->ipc().stats().closed);
 #endif
+    co_await ep.close();
+  });
+}
+
+TEST_CASE("two processes on two GPUs exchange Device messages by CUDA IPC, peer to peer") {
+  IPC_REQUIRE_DEVICE();
+  if (!staged::real_gpu) GDR_SKIP("needs two GPUs (the CPU stand-in has no peer-to-peer path)");
+#if GDR_HAS_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2)
+    GDR_SKIP("one GPU: a peer-to-peer CUDA IPC copy needs two (" + std::to_string(count) + " here)");
+  int can = 0;
+  (void)cudaDeviceCanAccessPeer(&can, 0, 1);
+  if (can == 0) GDR_SKIP("GPUs 0 and 1 have no peer access");
+#endif
+  with_peer("other-gpu", [](shm::endpoint& ep, staged::env&, pid_t) -> gdr::task<> {
+    for (std::size_t n : {std::size_t{4096}, std::size_t{64} << 20}) {
+      CAPTURE(n);
+      auto p = pattern(n, 77);
+      staged::dev_mem out(n, 0), back(n, 0);
+      out.fill(p);
+      auto [s, r] = co_await gdr::when_all(report_of(ep.send(out.view(), tag{1})), report_of(ep.recv(back.view(), tag{2})));
+      CHECK(!s.error);
+      CHECK(!r.error);
+      CHECK(r.path == transfer_path::cuda_ipc);
+      CHECK(back.read() == p);
+    }
     co_await ep.close();
   });
 }
