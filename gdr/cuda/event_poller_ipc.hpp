@@ -48,22 +48,6 @@ inline std::error_code event_poller::ipc_fence(int device, stream_order after, c
   done_now = false;
   if (device < 0 || c == nullptr || c->done == nullptr || (after && after.device < 0))
     return make_error_code(errc::invalid_argument);
-  // Usually the streams are idle already (the caller synchronized, or the
-  // work finished): asking them puts no work on the GPU, which another
-  // process's context would wait behind.
-  {
-    device_guard g(device);
-    if (g.error()) return g.error();
-    auto idle = [](cudaStream_t st) {
-      const cudaError_t q = cudaStreamQuery(st);
-      if (q != cudaSuccess) (void)cudaGetLastError();
-      return q == cudaSuccess;
-    };
-    if (idle(cudaStreamLegacy) && (!after || idle(after.stream))) {
-      done_now = true;
-      return {};
-    }
-  }
   if (!reserve_fifo()) return make_error_code(std::errc::not_enough_memory);
   cudaStream_t s = nullptr;
   if (std::error_code ec = copy_stream(device, ipc_slot, &s)) return ec;
