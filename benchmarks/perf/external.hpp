@@ -33,7 +33,10 @@ inline std::string run_capture(const std::string& cmd) {
 /// one-way "typical" latency, what gdr's send-and-answer and its put or get,
 /// which completes when the target answered, take), the others GB/s.
 inline sample ucx(const config& cfg, const std::string& test, std::size_t size, std::size_t iters) {
-  const bool latency = test.size() > 4 && test.compare(test.size() - 4, 4, "_lat") == 0;
+  // A fetching atomic (ucp_fadd) waits for each answer: its latency is a
+  // whole operation, where a *_lat ping-pong reports half a round trip.
+  const bool fetching = test == "ucp_fadd" || test == "ucp_swap" || test == "ucp_cswap";
+  const bool latency = fetching || (test.size() > 4 && test.compare(test.size() - 4, 4, "_lat") == 0);
   sample s;
   if (!have("ucx_perftest")) return s;
   std::uint16_t port = free_port();
@@ -60,7 +63,7 @@ inline sample ucx(const config& cfg, const std::string& test, std::size_t size, 
                   &bw_all) != 6)
     return s;
   if (latency) {
-    s.add(2.0 * lat50);  // ucx_perftest reports half a round trip
+    s.add(fetching ? lat50 : 2.0 * lat50);  // a *_lat test reports half a round trip
   } else {
     s.add(bw_all * 1e6 / 1e9);  // MB/s (10^6) -> GB/s
   }

@@ -50,7 +50,7 @@
 
 namespace perf::ops {
 
-enum class op { send, put, get };
+enum class op { send, put, get, fetch_add };
 enum class space { host, pinned, device };
 
 struct space_arg {
@@ -58,7 +58,9 @@ struct space_arg {
   int gpu = 0;
 };
 
-inline const char* name(op o) { return o == op::send ? "send" : o == op::put ? "put" : "get"; }
+inline const char* name(op o) {
+  return o == op::send ? "send" : o == op::put ? "put" : o == op::get ? "get" : "fetch_add";
+}
 inline const char* name(space s) { return s == space::host ? "host" : s == space::pinned ? "pinned" : "device"; }
 
 /// What one gdr measurement runs.
@@ -135,6 +137,8 @@ inline gdr::shm::endpoint_options shm_options() {
 /// (put, get).
 template <class E, class PS>
 gdr::task<> serve(E& ep, const spec& sp, std::size_t size, std::size_t n, bool latency) {
+  // (A fetch_add's word is 8 bytes whatever the size.)
+  if (sp.operation == op::fetch_add) size = std::max<std::size_t>(size, sizeof(std::uint64_t));
   bytes<PS> mem(size, sp.peer.gpu);
   if (sp.operation == op::send) {
     if (latency) {
@@ -189,6 +193,11 @@ gdr::task<measured> drive(E& ep, const spec& sp, std::size_t size, std::size_t n
         break;
       case op::put: co_await ep.put(mem.view(size), remote->subview(0, size)); break;
       case op::get: co_await ep.get(mem.view(size), remote->subview(0, size)); break;
+      case op::fetch_add:
+        // One 8-byte word of the peer's host memory (`size` is ignored).
+        if constexpr (!gdr::space_traits<PS>::on_device)
+          co_await ep.fetch_add(gdr::remote_view<std::uint64_t, PS>(remote->address(), 1, remote->key(), 0), 1);
+        break;
     }
     if (sp.operation != op::send) path = ep.last_path();
   };

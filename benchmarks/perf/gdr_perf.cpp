@@ -55,7 +55,6 @@ struct options {
   std::string plot = "gdr_perf.png";
   perf::config cfg;
   perf::ops::spec sp;
-  bool fetch_add = false;
 };
 
 [[noreturn]] void usage(int status) {
@@ -156,7 +155,7 @@ options parse(int argc, char** argv) {
       if (x == "send") o.sp.operation = perf::ops::op::send;
       else if (x == "put") o.sp.operation = perf::ops::op::put;
       else if (x == "get") o.sp.operation = perf::ops::op::get;
-      else if (x == "fetch_add") o.fetch_add = true;
+      else if (x == "fetch_add") o.sp.operation = perf::ops::op::fetch_add;
       else bad("--op send, put, get or fetch_add");
     }
     else if (a == "--space") o.sp.local = parse_space(next());
@@ -306,8 +305,14 @@ void measure_peer(const options& o, peer& p, std::size_t size) {
     p.bw = med(perf::external::perftest(o.cfg, std::string(base) + "_bw", size, std::min<std::size_t>(bc, 20000),
                                         o.sp.verbs_ip));
   } else if (p.name == "ucx_perftest") {
-    const char* lat_test = o.sp.operation == op::send ? "tag_lat" : o.sp.operation == op::put ? "ucp_put_lat" : nullptr;
-    const char* bw_test = o.sp.operation == op::send ? "tag_bw" : o.sp.operation == op::put ? "ucp_put_bw" : "ucp_get";
+    const char* lat_test = o.sp.operation == op::send   ? "tag_lat"
+                           : o.sp.operation == op::put ? "ucp_put_lat"
+                           : o.sp.operation == op::fetch_add ? "ucp_fadd"
+                                                             : nullptr;
+    const char* bw_test = o.sp.operation == op::send   ? "tag_bw"
+                          : o.sp.operation == op::put ? "ucp_put_bw"
+                          : o.sp.operation == op::fetch_add ? "ucp_add"
+                                                            : "ucp_get";
     if (lat_test != nullptr) p.lat = med(perf::external::ucx(o.cfg, lat_test, size, li));
     p.bw = med(perf::external::ucx(o.cfg, bw_test, size, std::min<std::size_t>(bc, 100000)));
   }
@@ -349,7 +354,8 @@ void plot(const options& o, const std::vector<peer>& peers) {
 int main(int argc, char** argv) {
   if (const char* slash = std::strrchr(argv[0], '/')) self_dir().assign(argv[0], static_cast<std::size_t>(slash + 1 - argv[0]));
   options o = parse(argc, argv);
-  if (o.fetch_add) bad("--op fetch_add: gdr has no remote atomics yet (one-sided verbs atomics are still to come)");
+  if (o.sp.operation == perf::ops::op::fetch_add && o.sp.peer.kind == perf::ops::space::device)
+    bad("--op fetch_add: the word is in the peer's host memory (a CPU does the atomic): not --peer-space device");
   if (std::string why = perf::ops::cannot_run(o.sp); !why.empty()) bad(why);
   std::vector<peer> peers = peers_for(o);
   const auto& sp = o.sp;

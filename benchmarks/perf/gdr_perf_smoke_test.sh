@@ -38,7 +38,8 @@ run tcp_get_pinned 2 --op get --space pinned --peer-space host --sizes 8,64K
 run shm_send 2 --transport shm --sizes 8,1M
 run shm_put 2 --transport shm --op put --sizes 8,64K
 refused ipc "the shm transport.s Device path" --transport ipc
-refused fetch_add "no remote atomics" --op fetch_add
+run tcp_fetch_add 1 --op fetch_add --sizes 8
+refused fetch_add_device "host memory" --op fetch_add --peer-space device
 refused bad_size "not a size" --sizes 8,lots
 refused verbs_no_ip "IP address" --transport verbs --verbs-ip ""
 exit $fail

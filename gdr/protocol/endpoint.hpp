@@ -72,6 +72,46 @@ constexpr int device_of(view<T, S> v) noexcept {
   }
 }
 
+/// Awaitable of a remote atomic (`fetch_add`, `compare_swap`): `co_await`
+/// gives the word's value before the operation, or throws `gdr::error`;
+/// `co_await std::move(op).as_result()` gives `result<std::uint64_t>`. A
+/// get of 8 bytes underneath, whose answer lands in the awaitable itself.
+class atomic_op : public op {
+ public:
+  atomic_op(engine* e, std::uint64_t code, std::uint64_t a, std::uint64_t b, std::uint64_t raddr, std::size_t rsize,
+            std::uint64_t rkey, op_options opts) noexcept
+      : op(e, kind::get, nullptr, sizeof(std::uint64_t), raddr, rsize, rkey, std::move(opts)) {
+    set_atomic(code, a, b);
+  }
+  atomic_op(atomic_op&& o) noexcept : op(std::move(o)), old_(o.old_) {}
+  atomic_op& operator=(atomic_op&&) = delete;
+
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) noexcept {
+    set_buffer(reinterpret_cast<std::byte*>(&old_));  // where it lives from now on
+    return op::await_suspend(h);
+  }
+  /// The word's value before the operation. Throws `gdr::error`.
+  std::uint64_t await_resume() {
+    (void)op::await_resume();
+    return old_;
+  }
+  /// The same, but `co_await` returns `result<std::uint64_t>`.
+  [[nodiscard]] auto as_result() && noexcept {
+    struct adapter : atomic_op {
+      explicit adapter(atomic_op&& o) noexcept : atomic_op(std::move(o)) {}
+      [[nodiscard]] result<std::uint64_t> await_resume() noexcept {
+        if (std::error_code ec = this->make_report().error) return ec;
+        return this->old_;
+      }
+    };
+    return adapter{std::move(*this)};
+  }
+
+ private:
+  alignas(8) std::uint64_t old_ = 0;
+};
+
 /// A view, or something that hands one out (`buffer<T, S>`): what the
 /// endpoint operations take.
 template <class V>
@@ -356,6 +396,40 @@ class basic_endpoint {
                    remote.key(), std::move(opts)};
     o.set_spaces(detail::proto::device_of(w), space_traits<RS>::on_device);
     return o;
+  }
+
+  /// Adds `value` to the 8-byte word at `remote` (its first element: an
+  /// address that is a multiple of 8, in the peer's registered host
+  /// memory, readable and writable) atomically, and gives the word's value
+  /// before. The peer's loop does it (with `std::atomic_ref`), atomic
+  /// against every other initiator's atomics on that word and the owner's
+  /// own `std::atomic_ref` on it; a plain put racing it is not.
+  ///
+  /// Errors: `errc::invalid_argument` (an address not a multiple of 8),
+  /// `errc::remote_access` (outside a registration, wrong key, revoked,
+  /// not readable and writable, or Device memory: nothing changed), and the
+  /// errors of `send`.
+  template <class RS>
+  [[nodiscard]] detail::proto::atomic_op fetch_add(remote_view<std::uint64_t, RS> remote, std::uint64_t value,
+                                                   op_options opts = {}) const noexcept {
+    static_assert(!space_traits<RS>::on_device,
+                  "gdr remote atomics: the word must be in the peer's host memory (Host or Pinned): a CPU does the "
+                  "atomic, and no CPU may touch Device memory");
+    return {eng_, detail::proto::atomic_fetch_add, value, 0, remote.address(), remote.size_bytes(), remote.key(),
+            std::move(opts)};
+  }
+
+  /// Replaces the 8-byte word at `remote` with `desired` if it holds
+  /// `expected`, atomically, and gives the word's value before (equal to
+  /// `expected` when it swapped). Rules and errors as `fetch_add`.
+  template <class RS>
+  [[nodiscard]] detail::proto::atomic_op compare_swap(remote_view<std::uint64_t, RS> remote, std::uint64_t expected,
+                                                      std::uint64_t desired, op_options opts = {}) const noexcept {
+    static_assert(!space_traits<RS>::on_device,
+                  "gdr remote atomics: the word must be in the peer's host memory (Host or Pinned): a CPU does the "
+                  "atomic, and no CPU may touch Device memory");
+    return {eng_, detail::proto::atomic_compare_swap, expected, desired, remote.address(), remote.size_bytes(),
+            remote.key(), std::move(opts)};
   }
 
   /// Closes the endpoint in order: waits for the sends already started to go

@@ -30,6 +30,10 @@
 /// | `close`         | none     | -                                                         |
 /// | `credit`        | none     | `size` = bytes, `id` = messages this side may now take    |
 /// |                 |          | more of, eager or announced, beyond what it already took  |
+/// | `atomic_request`| 16 bytes | `tag` = 1 fetch-and-add, 2 compare-and-swap, `size` = 8,  |
+/// |                 |          | `id` = request id, `addr`, `key`; payload: the operand    |
+/// |                 |          | (or the expected value) and the value to swap in; the     |
+/// |                 |          | answer is a `get_reply` of the word's old value           |
 ///
 /// Every field a type does not use must be zero: a header that breaks that,
 /// or names a length over the receiver's limit, is a protocol error.
@@ -67,9 +71,10 @@ enum class msg : std::uint8_t {
   get_reply = 11,     ///< answer to `get_request`, with the bytes when ok
   close = 12,         ///< orderly end: the sender sends nothing more
   credit = 13,        ///< room for more eager and announced messages (after hello: the first grant)
+  atomic_request = 14,  ///< one-sided atomic on an 8-byte word of the receiver's registered memory
 };
 inline constexpr std::uint8_t msg_min = 1;
-inline constexpr std::uint8_t msg_max = 13;
+inline constexpr std::uint8_t msg_max = 14;
 
 /// A printable name ("eager", "rts", ...).
 constexpr const char* to_string(msg m) noexcept {
@@ -87,6 +92,7 @@ constexpr const char* to_string(msg m) noexcept {
     case msg::get_reply: return "get_reply";
     case msg::close: return "close";
     case msg::credit: return "credit";
+    case msg::atomic_request: return "atomic_request";
   }
   return "?";
 }
@@ -103,8 +109,13 @@ namespace caps {
 inline constexpr std::uint64_t host = 1u << 0;       ///< accepts Host and Pinned memory
 inline constexpr std::uint64_t device = 1u << 1;     ///< can stage Device memory (staged path)
 inline constexpr std::uint64_t gpudirect = 1u << 2;  ///< GPUDirect RDMA probed and working
-inline constexpr std::uint64_t known = host | device | gpudirect;
+inline constexpr std::uint64_t atomics = 1u << 3;    ///< serves `atomic_request`
+inline constexpr std::uint64_t known = host | device | gpudirect | atomics;
 }  // namespace caps
+
+/// `atomic_request`'s operations (its `tag`).
+inline constexpr std::uint64_t atomic_fetch_add = 1;
+inline constexpr std::uint64_t atomic_compare_swap = 2;
 
 /// Flag bits of `header::flags`.
 namespace flag {
@@ -135,7 +146,7 @@ struct header {
 
 /// Bytes of payload that follow a header of this type on the wire.
 constexpr bool has_payload(msg m) noexcept {
-  return m == msg::eager || m == msg::data || m == msg::put_request || m == msg::get_reply;
+  return m == msg::eager || m == msg::data || m == msg::put_request || m == msg::get_reply || m == msg::atomic_request;
 }
 
 /// Checks the fields of a received header: unused fields zero, known
@@ -165,6 +176,9 @@ constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
     case msg::get_reply:
       return h.size == 0 && h.tag == 0 && h.addr == 0 && h.key == 0 && (st_zero || h.length == 0);
     case msg::credit: return st_zero && h.tag == 0 && h.addr == 0 && h.key == 0;
+    case msg::atomic_request:
+      return st_zero && h.length == 2 * sizeof(std::uint64_t) && h.size == sizeof(std::uint64_t) &&
+             (h.tag == atomic_fetch_add || h.tag == atomic_compare_swap);
   }
   return false;
 }

@@ -479,6 +479,89 @@ TEST_CASE_TEMPLATE("put and get move bytes to and from registered memory and are
   });
 }
 
+TEST_CASE_TEMPLATE("remote atomics give the old value and change the word, and are refused where they may not", T,
+                   CONFORMANCE_TRANSPORTS) {
+  conformance::run_both<T>([&](auto& a, auto& b) -> gdr::task<> {
+    std::vector<std::uint64_t> words = {100, 7, 0, 0};
+    auto reg = gdr::register_memory(gdr::host_view(words));
+    auto rv = reg.describe(0);
+    CHECK(co_await a.fetch_add(rv, 5) == 100);
+    CHECK(words[0] == 105);
+    CHECK(co_await a.fetch_add(rv.subview(1, 1), ~std::uint64_t{0}) == 7);  // adds wrap: 7 - 1
+    CHECK(words[1] == 6);
+    CHECK(co_await a.compare_swap(rv, 105, 42) == 105);  // swapped
+    CHECK(words[0] == 42);
+    CHECK(co_await a.compare_swap(rv, 105, 1) == 42);  // not: the old value says why
+    CHECK(words[0] == 42);
+    CHECK(a.last_path() != gdr::transfer_path::none);
+    // An address not a multiple of 8: refused before it leaves.
+    auto odd = gdr::remote_view<std::uint64_t, gdr::Host>(rv.address() + 4, 1, rv.key(), 0);
+    gdr::result<std::uint64_t> r = co_await a.fetch_add(odd, 1).as_result();
+    CHECK(r.error() == gdr::errc::invalid_argument);
+    // A wrong key, outside the registration, a read-only one: refused, nothing changed.
+    auto bad = gdr::remote_view<std::uint64_t, gdr::Host>(rv.address(), 1, rv.key() ^ 1, 0);
+    r = co_await a.fetch_add(bad, 1).as_result();
+    CHECK(r.error() == gdr::errc::remote_access);
+    auto past = gdr::remote_view<std::uint64_t, gdr::Host>(rv.address() + 4 * 8, 1, rv.key(), 0);
+    r = co_await a.compare_swap(past, 0, 1).as_result();
+    CHECK(r.error() == gdr::errc::remote_access);
+    std::vector<std::uint64_t> ro_words = {9};
+    auto ro = gdr::register_memory(gdr::host_view(ro_words), gdr::access::read);
+    r = co_await a.fetch_add(ro.describe(0), 1).as_result();
+    CHECK(r.error() == gdr::errc::remote_access);
+    CHECK(ro_words[0] == 9);
+    CHECK(words == std::vector<std::uint64_t>{42, 6, 0, 0});
+    CHECK(b.stats().refused == 3);
+    // Still in step: a message after the refusals.
+    auto m = pattern(10, 1);
+    std::vector<std::byte> in(10);
+    co_await a.send(cbytes_of(m));
+    CHECK(co_await b.recv(bytes_of(in)) == 10);
+    co_await a.close();
+  });
+}
+
+TEST_CASE_TEMPLATE("remote atomics from three initiators at once lose no update", T, CONFORMANCE_TRANSPORTS) {
+  if (conformance::skipped<T>()) return;
+  conformance::watchdog dog(120);
+  for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+    CAPTURE(static_cast<int>(mode));
+    gdr::scheduler sched({.mode = mode});
+    std::vector<std::uint64_t> word = {0};
+    auto reg = gdr::register_memory(gdr::host_view(word));
+    constexpr int per = 300;
+    std::vector<std::uint64_t> olds;
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto p1 = co_await T::pair(sched, gdr::default_registry(), {}, {});
+      auto p2 = co_await T::pair(sched, gdr::default_registry(), {}, {});
+      auto p3 = co_await T::pair(sched, gdr::default_registry(), {}, {});
+      auto adder = [](typename T::endpoint& ep, gdr::remote_view<std::uint64_t, gdr::Host> rv,
+                      std::vector<std::uint64_t>& out) -> gdr::task<> {
+        // Two in flight per initiator, so that the owner's three endpoints
+        // serve interleaved requests.
+        auto one = [](typename T::endpoint& e, gdr::remote_view<std::uint64_t, gdr::Host> r,
+                      std::vector<std::uint64_t>& o) -> gdr::task<> {
+          for (int i = 0; i < per / 2; ++i) o.push_back(co_await e.fetch_add(r, 1));
+        };
+        co_await gdr::when_all(one(ep, rv, out), one(ep, rv, out));
+      };
+      std::vector<std::uint64_t> o1, o2, o3;
+      co_await gdr::when_all(adder(p1.first, reg.describe(0), o1), adder(p2.first, reg.describe(0), o2),
+                             adder(p3.first, reg.describe(0), o3));
+      for (auto* o : {&o1, &o2, &o3}) olds.insert(olds.end(), o->begin(), o->end());
+      for (auto* p : {&p1, &p2, &p3}) co_await p->first.close();
+    }());
+    sched.drain();
+    CHECK(word[0] == 3 * per);
+    // Every add saw a different old value: 0 .. 3 * per - 1, each once.
+    std::sort(olds.begin(), olds.end());
+    REQUIRE(olds.size() == 3 * per);
+    bool each_once = true;
+    for (std::size_t i = 0; i < olds.size(); ++i) each_once = each_once && olds[i] == i;
+    CHECK(each_once);
+  }
+}
+
 TEST_CASE_TEMPLATE("the result and report forms never throw, the plain form throws gdr::error", T,
                    CONFORMANCE_TRANSPORTS) {
   conformance::run<T>(gdr::run_mode::sleep, [&](auto& a, auto& b) -> gdr::task<> {

@@ -429,6 +429,7 @@ class engine {
   rx_plan rx_get_request(const header& h) noexcept;
 
   rx_plan rx_answer(const header& h) noexcept;
+  rx_plan rx_atomic_request(const header& h) noexcept;
 
 
   // ---------------------------------------------------------------- the staged path
@@ -688,7 +689,8 @@ class engine {
   void put_back_slot(reply_slot* s) noexcept;
 
   void free_slot(reply_slot* s) noexcept;
-
+  /// Performs the atomic slot `s` holds (its operands placed) and answers.
+  void serve_atomic(reply_slot& s, std::uint64_t id) noexcept;
   void send_answer(reply_slot* s, msg type, std::uint64_t id, status st, const std::byte* payload,
                    std::size_t len, int device = -1) noexcept;
 

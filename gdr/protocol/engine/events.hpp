@@ -71,6 +71,7 @@ inline rx_plan engine::on_header(const header& h) noexcept {
     case msg::rts_withdrawn: return rx_rts_withdrawn(h);
     case msg::put_request: return rx_put_request(h);
     case msg::get_request: return rx_get_request(h);
+    case msg::atomic_request: return rx_atomic_request(h);
     case msg::put_ack:
     case msg::get_reply: return rx_answer(h);
     case msg::credit: return rx_credit(h);
@@ -139,6 +140,10 @@ inline void engine::on_placed(bool direct) noexcept {
     }
     case target::serve_put: {
       reply_slot* s = t.s;
+      if (s->atomic != 0) {
+        serve_atomic(*s, t.id);
+        return;
+      }
       s->lease.release();
       ++stats_->served_puts;
       send_answer(s, msg::put_ack, t.id, status::ok, nullptr, 0);

@@ -41,7 +41,7 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
   hello_.hdr.type = msg::hello;
   hello_.hdr.size = opts_.max_message;
   hello_.hdr.addr = chunk_;
-  hello_.hdr.tag = caps;
+  hello_.hdr.tag = caps | caps::atomics;  // every engine serves atomics
   hello_.hdr.id = version;
   hello_.hdr.key = n;  // the requests the peer may have unanswered here
 }

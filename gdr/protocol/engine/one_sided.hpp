@@ -115,6 +115,52 @@ inline rx_plan engine::rx_get_request(const header& h) noexcept {
   return consumed();
 }
 
+inline rx_plan engine::rx_atomic_request(const header& h) noexcept {
+  reply_slot* s = take_slot();
+  if (s == nullptr) return pause_reading();
+  constexpr std::size_t word = sizeof(std::uint64_t);
+  if (s == &spare_slot_) {
+    ++stats_->no_memory;
+    send_answer(s, msg::get_reply, h.id, status::no_memory, nullptr, 0);
+    return drop(h.length);
+  }
+  // An aligned word of host memory, readable and writable: the CPU does
+  // the atomic (never on Device memory).
+  result<access_lease> l = registry_->acquire(h.addr, word, h.key, access::read_write, false);
+  if (!l || l->on_device() || h.addr % word != 0) {
+    ++stats_->refused;
+    send_answer(s, msg::get_reply, h.id, status::remote_access, nullptr, 0);
+    return drop(h.length);
+  }
+  s->lease = std::move(*l);
+  s->atomic = h.tag;
+  target t{target::serve_put};
+  t.s = s;
+  t.id = h.id;
+  return place(t, s->atomic_args, sizeof s->atomic_args, 0);
+}
+
+inline void engine::serve_atomic(reply_slot& s, std::uint64_t id) noexcept {
+  std::uint64_t a = 0, b = 0;
+  std::memcpy(&a, s.atomic_args, sizeof a);
+  std::memcpy(&b, s.atomic_args + sizeof a, sizeof b);
+  // Atomic against every other server of this word (endpoints on other
+  // threads of this process) and against the owner's own atomic_ref.
+  std::atomic_ref<std::uint64_t> w(*reinterpret_cast<std::uint64_t*>(s.lease.data()));
+  if (s.atomic == atomic_fetch_add) {
+    s.atomic_old = w.fetch_add(a, std::memory_order_acq_rel);
+  } else {
+    std::uint64_t expected = a;
+    w.compare_exchange_strong(expected, b, std::memory_order_acq_rel);
+    s.atomic_old = expected;  // the word's value before: equal to `a` when swapped
+  }
+  s.atomic = 0;
+  s.lease.release();
+  ++stats_->served_gets;
+  send_answer(&s, msg::get_reply, id, status::ok, reinterpret_cast<const std::byte*>(&s.atomic_old),
+              sizeof s.atomic_old);
+}
+
 inline rx_plan engine::rx_answer(const header& h) noexcept {
   bool get = h.type == msg::get_reply;
   credit_back();  // whatever it answers, the peer's reply slot is free again
@@ -227,6 +273,7 @@ inline void engine::put_back_slot(reply_slot* s) noexcept {
 
 inline void engine::free_slot(reply_slot* s) noexcept {
   s->lease.release();
+  s->atomic = 0;
   if (stage_slot* b = std::exchange(s->bounce, nullptr)) release_slot(*b);
   s->f.reset(nullptr);
   s->f.slot = s;

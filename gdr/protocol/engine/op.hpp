@@ -48,7 +48,7 @@ class op : private gdr::detail::cancellable<op> {
       : cancellable<op>(std::move(o)),
         eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
         rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_), dev_(o.dev_), remote_dev_(o.remote_dev_),
-        nic_dev_(o.nic_dev_), remote_nic_(o.remote_nic_) {}
+        nic_dev_(o.nic_dev_), remote_nic_(o.remote_nic_), atomic_(o.atomic_), atomic_args_{o.atomic_args_[0], o.atomic_args_[1]} {}
   op& operator=(op&&) = delete;
 
   /// Before it is awaited: the local memory is `Device` memory of GPU `dev`
@@ -59,6 +59,19 @@ class op : private gdr::detail::cancellable<op> {
     dev_ = dev < 0 ? -1 : dev;
     remote_dev_ = remote_dev;
   }
+
+  /// Before it is awaited: makes a get of 8 bytes a remote atomic
+  /// (`proto::atomic_fetch_add` with operand `a`, or
+  /// `proto::atomic_compare_swap` of expected `a` for `b`); the old value
+  /// lands in its buffer.
+  void set_atomic(std::uint64_t code, std::uint64_t a, std::uint64_t b) noexcept {
+    atomic_ = code;
+    atomic_args_[0] = a;
+    atomic_args_[1] = b;
+  }
+  /// Before it is awaited: where its bytes go (a buffer inside a derived
+  /// awaitable, which moves with it).
+  void set_buffer(std::byte* data) noexcept { data_ = data; }
 
   bool await_ready() const noexcept { return false; }
 
@@ -203,6 +216,8 @@ class op : private gdr::detail::cancellable<op> {
   bool remote_dev_ = false;  // put/get: the peer's memory is Device memory (it stages)
   int nic_dev_ = -1;         // GPUDirect: local memory is Device memory of this GPU, moved by the NIC only
   bool remote_nic_ = false;  // GPUDirect: put/get: the peer's memory is Device memory (its NIC moves it)
+  std::uint64_t atomic_ = 0;           // a get that is a remote atomic: its operation (0: none)
+  std::uint64_t atomic_args_[2] = {};  // its operands (the request's payload)
 
   // ---- state (loop thread) ----
   stage stage_ = stage::idle;

@@ -31,6 +31,11 @@ struct reply_slot {
   reply_slot* wait_next = nullptr;
   std::uint64_t wait_id = 0;
   std::size_t wait_len = 0;
+  // An atomic being served: its operation, its operands (the request's
+  // payload) and the word's old value (the answer's).
+  std::uint64_t atomic = 0;
+  alignas(8) std::byte atomic_args[16]{};
+  std::uint64_t atomic_old = 0;
 };
 
 /// One segment of the staged path in flight: a bounce buffer of

@@ -32,6 +32,11 @@ inline bool engine::begin_out(op& o) noexcept {
     o.ec_ = errc::invalid_argument;  // the local view must fit in the remote one
     return false;
   }
+  if (o.atomic_ != 0 && (o.raddr_ % sizeof(std::uint64_t) != 0 || o.size_ != sizeof(std::uint64_t))) {
+    o.ec_ = errc::invalid_argument;
+    o.what_ = "a remote atomic works on one 8-byte word whose remote address is a multiple of 8";
+    return false;
+  }
   if (o.size_ > opts_.max_message && o.kind_ == op::kind::get) {
     o.ec_ = errc::message_too_large;  // the answer would exceed our own limit
     return false;
@@ -99,6 +104,11 @@ inline bool engine::launch(op& o) noexcept {
     }
     case op::kind::put:
     case op::kind::get: {
+      if (o.atomic_ != 0 && (peer_caps_ & caps::atomics) == 0) {
+        o.ec_ = errc::unsupported;
+        o.what_ = "the peer's gdr serves no remote atomics (an older version)";
+        return false;
+      }
       if (credits_ == 0) {
         // The peer's reply slots are all spoken for: wait for an answer
         // (the reader never stops for this; see "Credits").
@@ -116,6 +126,13 @@ inline bool engine::launch(op& o) noexcept {
       if (put) {
         h.length = o.size_;
         f.payload = o.data_;
+      } else if (o.atomic_ != 0) {
+        // The operands travel; the old value comes back as a get's answer.
+        h.type = msg::atomic_request;
+        h.tag = o.atomic_;
+        h.size = o.size_;
+        h.length = sizeof o.atomic_args_;
+        f.payload = reinterpret_cast<const std::byte*>(o.atomic_args_);
       } else {
         h.size = o.size_;
       }

@@ -58,6 +58,8 @@ bool obeys_rules(const tcp::frame_header& h, std::uint64_t limit) {
              (h.st == proto::status::ok || h.length == 0);
     case tcp::frame_type::close: return h.size == 0 && h.tag == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
     case tcp::frame_type::credit: return h.tag == 0 && h.addr == 0 && h.key == 0;  // size: bytes, id: messages
+    case tcp::frame_type::atomic_request:  // 1 fetch-and-add, 2 compare-and-swap; two 8-byte operands
+      return h.length == 16 && h.size == 8 && (h.tag == 1 || h.tag == 2);
   }
   return false;  // not a known type
 }

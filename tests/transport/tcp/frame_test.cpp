@@ -86,6 +86,14 @@ frame_header sample(frame_type t) {
       h.length = 8192;
       break;
     case frame_type::close: break;
+    case frame_type::atomic_request:
+      h.length = 16;
+      h.size = 8;
+      h.tag = proto::atomic_compare_swap;
+      h.id = 7;
+      h.addr = 0xdeadbeef008u;
+      h.key = 44;
+      break;
     case frame_type::credit:
       h.size = 256 * 1024;
       h.id = 1024;
@@ -98,7 +106,7 @@ constexpr std::array all_types = {
     frame_type::hello,       frame_type::eager,   frame_type::rts,         frame_type::rtr,
     frame_type::data,        frame_type::rts_cancel, frame_type::rts_withdrawn, frame_type::put_request,
     frame_type::put_ack,     frame_type::get_request, frame_type::get_reply, frame_type::close,
-    frame_type::credit,
+    frame_type::credit,      frame_type::atomic_request,
 };
 static_assert(all_types.size() == proto::msg_max - proto::msg_min + 1);
 
@@ -182,11 +190,11 @@ TEST_CASE("encoding at run time gives the bytes that constant evaluation gives")
   CHECK(b[13] == std::byte{0});
 }
 
-TEST_CASE("only eager, data, put_request and get_reply carry a payload") {
+TEST_CASE("only eager, data, put_request, get_reply and atomic_request carry a payload") {
   for (frame_type t : all_types) {
     CAPTURE(proto::to_string(t));
     bool payload = t == frame_type::eager || t == frame_type::data || t == frame_type::put_request ||
-                   t == frame_type::get_reply;
+                   t == frame_type::get_reply || t == frame_type::atomic_request;
     CHECK(proto::has_payload(t) == payload);
     frame_header h = sample(t);
     CHECK(tcp::payload_size(h) == h.length);
@@ -292,7 +300,8 @@ TEST_CASE("each type's unused fields must be zero, as proto::valid says") {
       {frame_type::close, 32, "tag"},         {frame_type::close, 40, "id"},
       {frame_type::close, 48, "addr"},        {frame_type::close, 56, "key"},
       {frame_type::credit, 32, "tag"},        {frame_type::credit, 48, "addr"},
-      {frame_type::credit, 56, "key"},
+      {frame_type::credit, 56, "key"},        {frame_type::atomic_request, 24, "size"},
+      {frame_type::atomic_request, 32, "tag"},
   };
   for (const rule& r : rules) {
     CAPTURE(proto::to_string(r.type));
