@@ -37,6 +37,17 @@
 /// the model that verbs deregistration (`ibv_dereg_mr` only after the work
 /// requests that use the MR complete) and CUDA IPC unmapping need.
 ///
+/// NIC exposure. A registry attached to an RDMA protection domain (the verbs
+/// transport attaches the one its endpoint uses) also registers each
+/// registration with that NIC (`ibv_reg_mr`: remote read, write and atomics
+/// as `access` allows), and `describe()` adds the NIC key to the view. A
+/// verbs peer then puts, gets and adds with RDMA WRITE, READ and atomics
+/// that the owner's NIC checks (range, rights) and its CPU never sees; no
+/// lease is taken for them. `revoke()` deregisters at once, and the NIC
+/// refuses every later access (the peer's operation fails with
+/// `errc::remote_access`). `exposure::checked` keeps a registration off
+/// the NICs: every access is then served, and checked, by the owner's loop.
+///
 /// The registry remembers whether the host may dereference the memory. The
 /// host-side transports (loopback, TCP) move a put or get with the CPU, so
 /// `acquire` refuses a registration of memory it cannot touch (`Device`):
@@ -57,6 +68,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <vector>
 #include <shared_mutex>
 #include <utility>
 
@@ -88,7 +100,55 @@ constexpr bool allows(access granted, access wanted) noexcept {
 class memory_registry;
 class revoke_awaitable;
 
+/// How a registration may be reached.
+enum class exposure : unsigned char {
+  /// Through every NIC domain the registry is exposed in (RDMA WRITE, READ
+  /// and atomics by a verbs peer's NIC, no action by the owner), and served
+  /// by the owner's loop on every other transport. The default.
+  nic,
+  /// Only through the owner's loop, which checks every access (range, key,
+  /// revoked) before its own NIC or CPU moves the bytes: the checked mode.
+  checked,
+};
+
+/// An RDMA protection domain that exposes registrations to peers' NICs (the
+/// verbs transport's, one per device and scheduler). A registry exposed in
+/// it (`memory_registry::attach`) registers every `exposure::nic`
+/// registration with it and withdraws it on revocation; the keys go into
+/// `describe()`'s view. Called under the registry's lock: never calls back
+/// into the registry.
+class nic_domain {
+ public:
+  /// A NIC registration: its handle (for `withdraw`) and its remote key.
+  struct exposed {
+    void* handle = nullptr;
+    std::uint32_t rkey = 0;
+  };
+  /// The domain's id as peers know it (nonzero; views carry it with the key).
+  virtual std::uint32_t domain_id() const noexcept = 0;
+  /// Registers `[addr, addr + len)` for the remote access `a` (and remote
+  /// atomics where `a` allows writing). `device`: a `Device` registration's
+  /// GPU (-1: host memory); a domain that cannot reach it returns
+  /// `errc::unsupported` and the registration is not exposed there.
+  virtual result<exposed> expose(std::uintptr_t addr, std::size_t len, access a, int device) noexcept = 0;
+  /// Deregisters: the NIC refuses every later access with the key.
+  virtual void withdraw(void* handle) noexcept = 0;
+  /// `reg`, which was attached, is being destroyed (its exposures are
+  /// withdrawn already): the domain must not `detach` from it.
+  virtual void registry_gone(memory_registry& reg) noexcept = 0;
+
+ protected:
+  ~nic_domain() = default;
+};
+
 namespace detail {
+
+/// A registration's exposure in one NIC domain.
+struct nic_exposure {
+  nic_domain* domain = nullptr;
+  void* handle = nullptr;
+  std::uint64_t packed = 0;  // domain id << 32 | rkey
+};
 
 /// What the registry keeps per registration. Its address is stable: it lives
 /// in a `std::map` node, which moves from the live table to the draining
@@ -111,6 +171,9 @@ struct registration_record {
   std::atomic<std::uint64_t> state{0};
   /// The coroutines awaiting the revocation (guarded by the registry's mutex).
   revoke_awaitable* waiters = nullptr;
+  /// `exposure::nic`, and where it is exposed (guarded by the registry's mutex).
+  bool nic = true;
+  std::vector<nic_exposure> exposures;
 };
 
 inline constexpr std::uint64_t revoked_bit = 1;
@@ -248,9 +311,9 @@ class registration {
 
   /// What a peer needs to reach this memory: send it in a message.
   /// `owner_rank` is this process's rank, as the bootstrap numbers peers.
-  remote_view<std::remove_const_t<T>, S> describe(std::uint32_t owner_rank = 0) const noexcept {
-    return {reinterpret_cast<std::uintptr_t>(view_.data()), view_.size(), key_, owner_rank};
-  }
+  /// It carries the NIC keys of the registration's exposures (none once
+  /// revoked, or made `exposure::checked`).
+  remote_view<std::remove_const_t<T>, S> describe(std::uint32_t owner_rank = 0) const noexcept;
 
   /// Revokes the key now: later accesses fail with `errc::remote_access`.
   /// Accesses being served go on; `co_await` the result to wait until none
@@ -282,12 +345,14 @@ class memory_registry {
   /// Leases still out would point into it: a bug (asserted).
   ~memory_registry() {
     assert(draining_.empty() && no_leases() && "gdr::memory_registry destroyed while accesses hold leases");
+    for (auto& [k, r] : live_) withdraw_all(r);
+    for (nic_domain* d : domains_) d->registry_gone(*this);
   }
 
   /// Registers `v` for remote access `a`. Zero-length views are rejected
   /// (`errc::invalid_argument`).
   template <class T, class S>
-  registration<T, S> register_memory(view<T, S> v, access a = access::read_write) {
+  registration<T, S> register_memory(view<T, S> v, access a = access::read_write, exposure e = exposure::nic) {
     static_assert(local_memory_space<S>, "gdr::register_memory: only local memory can be registered");
     if (v.data() == nullptr || v.size_bytes() == 0)
       throw error(errc::invalid_argument, "gdr::register_memory: empty view");
@@ -299,9 +364,85 @@ class memory_registry {
       if (::getrandom(&key, sizeof key, 0) != static_cast<ssize_t>(sizeof key))
         throw error(errno_code(errno), "gdr::register_memory: getrandom");
     } while (key == 0 || live_.contains(key) || draining_.contains(key));
-    live_.try_emplace(key, reinterpret_cast<std::uintptr_t>(v.data()), v.size_bytes(), a,
-                      space_traits<S>::host_accessible, key, space_traits<S>::on_device ? v.device() : -1);
+    auto [it, fresh] = live_.try_emplace(key, reinterpret_cast<std::uintptr_t>(v.data()), v.size_bytes(), a,
+                                         space_traits<S>::host_accessible, key,
+                                         space_traits<S>::on_device ? v.device() : -1);
+    it->second.nic = e == exposure::nic;
+    if (std::error_code ec = expose_all(it->second)) {
+      withdraw_all(it->second);
+      live_.erase(it);
+      throw error(ec, "gdr::register_memory: the NIC refused the registration (ibv_reg_mr)");
+    }
+    try {
+      by_base_.emplace(it->second.base, &it->second);
+    } catch (...) {
+      withdraw_all(it->second);
+      live_.erase(it);
+      throw;
+    }
     return registration<T, S>(this, v, key);
+  }
+
+  /// Exposes the registry in NIC domain `d`: every `exposure::nic`
+  /// registration, now and later, is registered with it (see `nic_domain`).
+  /// A registration `d` cannot reach (GPU memory on a domain without
+  /// GPUDirect) stays unexposed there. Idempotent. The domain must call
+  /// `detach` before it goes.
+  void attach(nic_domain& d) noexcept {
+    std::unique_lock lock(mu_);
+    for (nic_domain* x : domains_)
+      if (x == &d) return;
+    try {
+      domains_.push_back(&d);
+    } catch (...) {
+      return;  // not exposed there: its views carry no key of it
+    }
+    for (auto& [k, r] : live_) {
+      if (!r.nic) continue;
+      if (std::error_code ec = expose_in(r, d); ec && ec != make_error_code(errc::unsupported))
+        gdr::detail::log("memory", "a registration of %zu bytes could not be exposed to a NIC: %s", r.bytes,
+                         ec.message().c_str());
+    }
+  }
+  /// Withdraws every registration from `d` and forgets it.
+  void detach(nic_domain& d) noexcept {
+    std::unique_lock lock(mu_);
+    std::erase(domains_, &d);
+    for (auto* table : {&live_, &draining_})
+      for (auto& [k, r] : *table)
+        std::erase_if(r.exposures, [&](detail::nic_exposure& x) {
+          if (x.domain != &d) return false;
+          d.withdraw(x.handle);
+          return true;
+        });
+  }
+  /// The handle (verbs: the `ibv_mr*`) of a live registration exposed in
+  /// `d` that covers `[addr, addr + len)`, or null: this side's NIC may use
+  /// it as the local memory of a direct operation instead of registering
+  /// the range again.
+  void* nic_handle(const void* addr, std::size_t len, const nic_domain& d) const noexcept {
+    const auto a = reinterpret_cast<std::uintptr_t>(addr);
+    std::shared_lock lock(mu_);
+    auto it = by_base_.upper_bound(a);
+    for (int n = 0; n < 16 && it != by_base_.begin(); ++n) {
+      --it;
+      const detail::registration_record& r = *it->second;
+      if (len > r.bytes || a - r.base > r.bytes - len) continue;
+      for (const detail::nic_exposure& x : r.exposures)
+        if (x.domain == &d) return x.handle;
+    }
+    return nullptr;
+  }
+
+  /// The NIC keys of live registration `key` (zeros where none).
+  std::array<std::uint64_t, 2> nic_keys(std::uint64_t key) const noexcept {
+    std::array<std::uint64_t, 2> out{};
+    std::shared_lock lock(mu_);
+    auto it = live_.find(key);
+    if (it == live_.end()) return out;
+    for (std::size_t i = 0; i < out.size() && i < it->second.exposures.size(); ++i)
+      out[i] = it->second.exposures[i].packed;
+    return out;
   }
 
   /// The owner's check of a remote access that the CPU will carry out, and
@@ -342,6 +483,15 @@ class memory_registry {
     if (it == live_.end()) {
       if (draining_.contains(key)) return revoke_awaitable(this, key);
       return revoke_awaitable();
+    }
+    // The NICs refuse the keys from now on (a NIC access in flight ends
+    // before deregistration returns).
+    withdraw_all(it->second);
+    for (auto b = by_base_.lower_bound(it->second.base); b != by_base_.end() && b->first == it->second.base; ++b) {
+      if (b->second == &it->second) {
+        by_base_.erase(b);
+        break;
+      }
     }
     // No acquire runs under the exclusive lock: from here the count only falls.
     const std::uint64_t old = it->second.state.fetch_or(detail::revoked_bit, std::memory_order_acq_rel);
@@ -391,6 +541,29 @@ class memory_registry {
     return const_cast<detail::registration_record*>(&e);
   }
 
+  // Under the exclusive lock.
+  std::error_code expose_in(detail::registration_record& r, nic_domain& d) noexcept {
+    result<nic_domain::exposed> x = d.expose(r.base, r.bytes, r.perm, r.device);
+    if (!x) return x.error();
+    try {
+      r.exposures.push_back({&d, x->handle, static_cast<std::uint64_t>(d.domain_id()) << 32 | x->rkey});
+    } catch (...) {
+      d.withdraw(x->handle);
+      return errno_code(ENOMEM);
+    }
+    return {};
+  }
+  std::error_code expose_all(detail::registration_record& r) noexcept {
+    if (!r.nic) return {};
+    for (nic_domain* d : domains_)
+      if (std::error_code ec = expose_in(r, *d); ec && ec != make_error_code(errc::unsupported)) return ec;
+    return {};
+  }
+  void withdraw_all(detail::registration_record& r) noexcept {
+    for (detail::nic_exposure& x : r.exposures) x.domain->withdraw(x.handle);
+    r.exposures.clear();
+  }
+
   bool no_leases() const noexcept {
     for (const auto& [key, r] : live_)
       if ((r.state.load(std::memory_order_relaxed) >> 1) != 0) return false;
@@ -416,6 +589,8 @@ class memory_registry {
   mutable std::shared_mutex mu_;
   std::map<std::uint64_t, detail::registration_record> live_;
   std::map<std::uint64_t, detail::registration_record> draining_;  // revoked, leases out
+  std::vector<nic_domain*> domains_;  // where exposure::nic registrations are exposed
+  std::multimap<std::uintptr_t, detail::registration_record*> by_base_;  // live registrations by address
 };
 
 // ---------------------------------------------------------------- out of line
@@ -480,6 +655,13 @@ inline bool revoke_awaitable::await_suspend(std::coroutine_handle<> h) noexcept 
 }
 
 template <class T, class S>
+remote_view<std::remove_const_t<T>, S> registration<T, S>::describe(std::uint32_t owner_rank) const noexcept {
+  std::array<std::uint64_t, 2> nic{};
+  if (reg_ != nullptr && live_) nic = reg_->nic_keys(key_);
+  return {reinterpret_cast<std::uintptr_t>(view_.data()), view_.size(), key_, owner_rank, nic};
+}
+
+template <class T, class S>
 revoke_awaitable registration<T, S>::revoke() noexcept {
   if (reg_ == nullptr) return revoke_awaitable();
   live_ = false;
@@ -517,29 +699,30 @@ inline memory_registry& default_registry() {
 
 /// Registers `v` in `reg` (see `memory_registry::register_memory`).
 template <class T, class S>
-registration<T, S> register_memory(memory_registry& reg, view<T, S> v, access a = access::read_write) {
-  return reg.register_memory(v, a);
+registration<T, S> register_memory(memory_registry& reg, view<T, S> v, access a = access::read_write,
+                                   exposure e = exposure::nic) {
+  return reg.register_memory(v, a, e);
 }
 
 /// Registers `v` in the process-wide registry.
 template <class T, class S>
-registration<T, S> register_memory(view<T, S> v, access a = access::read_write) {
-  return default_registry().register_memory(v, a);
+registration<T, S> register_memory(view<T, S> v, access a = access::read_write, exposure e = exposure::nic) {
+  return default_registry().register_memory(v, a, e);
 }
 
 /// Registers all of `b` (a `gdr::buffer`, or anything with a `view()`) in
 /// the process-wide registry: `gdr::register_memory(buf)`.
 template <class B>
   requires requires(B& b) { b.view(); }
-auto register_memory(B& b, access a = access::read_write) {
-  return default_registry().register_memory(b.view(), a);
+auto register_memory(B& b, access a = access::read_write, exposure e = exposure::nic) {
+  return default_registry().register_memory(b.view(), a, e);
 }
 
 /// Registers all of `b` in `reg`.
 template <class B>
   requires requires(B& b) { b.view(); }
-auto register_memory(memory_registry& reg, B& b, access a = access::read_write) {
-  return reg.register_memory(b.view(), a);
+auto register_memory(memory_registry& reg, B& b, access a = access::read_write, exposure e = exposure::nic) {
+  return reg.register_memory(b.view(), a, e);
 }
 
 }  // namespace gdr

@@ -7,10 +7,23 @@
 /// locally (`operator[]`, `begin` and `end` fail to compile with a
 /// message saying to use `ep.get`/`ep.put`; there is no span and no
 /// `gdr::copy`). It travels in a message
-/// (`to_wire`/`from_wire`, a fixed 40-byte little-endian record) and is handed
-/// to `ep.put(local, remote)` / `ep.get(local, remote)`. The owner checks
-/// every access against its registrations: range, key, and whether the
-/// registration was revoked.
+/// (`to_wire`/`from_wire`, a fixed 64-byte little-endian record, versioned)
+/// and is handed to `ep.put(local, remote)` / `ep.get(local, remote)`.
+///
+/// Two ways in. The registry key (`key()`) is checked by the owner's loop on
+/// every access it serves: range, key, and whether the registration was
+/// revoked (every transport). The NIC keys (`nic_keys()`, up to two:
+/// one per RDMA protection domain the owner's registry is exposed in, as
+/// UCX packs one rkey per transport) let a verbs peer's NIC reach the memory
+/// with no action by the owner: an RDMA WRITE, READ or atomic that the
+/// owner's NIC checks against the registration (range, rights, revoked).
+/// A view of a registration made `exposure::checked` carries none.
+///
+/// Wire record (little-endian u64 words): address, bytes, registry key,
+/// peer | space << 32, element size | version << 32, then (version 2) two
+/// NIC keys as domain << 32 | rkey (0: none) and a zero word. A version-1
+/// record (40 bytes, version 0: the format before NIC keys) still parses,
+/// without NIC keys; any other version is refused.
 #pragma once
 
 #include <array>
@@ -62,12 +75,20 @@ class remote_view {
   using space = Remote<S>;
   using peer_space = S;
 
-  /// Size of the wire record.
-  static constexpr std::size_t wire_size = 40;
+  /// Size of the wire record (`to_wire`).
+  static constexpr std::size_t wire_size = 64;
+  /// Size of the older record without NIC keys, which `from_wire` accepts.
+  static constexpr std::size_t wire_size_v1 = 40;
+  /// NIC keys a view carries at most.
+  static constexpr std::size_t max_nic_keys = 2;
 
   constexpr remote_view() noexcept = default;
   constexpr remote_view(std::uint64_t addr, std::size_t count, std::uint64_t key, std::uint32_t peer) noexcept
       : addr_(addr), count_(count), key_(key), peer_(peer) {}
+  /// With NIC keys: each `domain << 32 | rkey` (0: none).
+  constexpr remote_view(std::uint64_t addr, std::size_t count, std::uint64_t key, std::uint32_t peer,
+                        std::array<std::uint64_t, max_nic_keys> nic) noexcept
+      : addr_(addr), count_(count), key_(key), peer_(peer), nic_(nic) {}
 
   /// The address in the peer's address space (meaningless here).
   constexpr std::uint64_t address() const noexcept { return addr_; }
@@ -77,12 +98,17 @@ class remote_view {
   constexpr std::uint64_t key() const noexcept { return key_; }
   /// The peer's rank (as the bootstrap numbers peers).
   constexpr std::uint32_t peer() const noexcept { return peer_; }
+  /// The NIC keys, each `domain << 32 | rkey` (0: none).
+  constexpr const std::array<std::uint64_t, max_nic_keys>& nic_keys() const noexcept { return nic_; }
+  /// The view carries a NIC key of some domain: a verbs peer may reach it
+  /// directly.
+  constexpr bool nic_exposed() const noexcept { return nic_[0] != 0 || nic_[1] != 0; }
 
   /// `count` elements from `offset`, clamped to the view.
   constexpr remote_view subview(std::size_t offset, std::size_t count = static_cast<std::size_t>(-1)) const noexcept {
     if (offset > count_) offset = count_;
     if (count > count_ - offset) count = count_ - offset;
-    return remote_view(addr_ + offset * sizeof(T), count, key_, peer_);
+    return remote_view(addr_ + offset * sizeof(T), count, key_, peer_, nic_);
   }
 
   // ---- no local access: each of these says so at compile time -----------
@@ -108,8 +134,7 @@ class remote_view {
     return nullptr;
   }
 
-  /// Serializes: addr, bytes, key (u64 each), peer, space code (u32 each),
-  /// element size (u64), all little-endian.
+  /// Serializes (version 2; see the file comment).
   std::array<std::byte, wire_size> to_wire() const noexcept {
     std::array<std::byte, wire_size> w{};
     detail::store_le64(w.data() + 0, addr_);
@@ -117,23 +142,37 @@ class remote_view {
     detail::store_le64(w.data() + 16, key_);
     detail::store_le64(w.data() + 24, static_cast<std::uint64_t>(peer_) |
                                           (static_cast<std::uint64_t>(detail::space_code<S>()) << 32));
-    detail::store_le64(w.data() + 32, sizeof(T));
+    detail::store_le64(w.data() + 32, sizeof(T) | (std::uint64_t{2} << 32));
+    detail::store_le64(w.data() + 40, nic_[0]);
+    detail::store_le64(w.data() + 48, nic_[1]);
     return w;
   }
 
-  /// Parses a wire record. Fails with `errc::invalid_argument` when the record
-  /// is short, names another space, another element size, or a length that is
-  /// not a whole number of elements.
+  /// Parses a wire record of version 2 (64 bytes) or 1 (40 bytes, no NIC
+  /// keys). Fails with `errc::invalid_argument` when the record is short for
+  /// its version, of another version, names another space, another element
+  /// size, a length that is not a whole number of elements, or has its
+  /// reserved word set.
   static result<remote_view> from_wire(std::span<const std::byte> w) noexcept {
-    if (w.size() < wire_size) return errc::invalid_argument;
+    if (w.size() < wire_size_v1) return errc::invalid_argument;
     std::uint64_t addr = detail::load_le64(w.data());
     std::uint64_t bytes = detail::load_le64(w.data() + 8);
     std::uint64_t key = detail::load_le64(w.data() + 16);
     std::uint64_t peer_space = detail::load_le64(w.data() + 24);
-    std::uint64_t elem = detail::load_le64(w.data() + 32);
+    std::uint64_t elem_version = detail::load_le64(w.data() + 32);
+    const auto version = static_cast<std::uint32_t>(elem_version >> 32);
+    const auto elem = static_cast<std::uint32_t>(elem_version);
     if (static_cast<std::uint32_t>(peer_space >> 32) != detail::space_code<S>()) return errc::invalid_argument;
     if (elem != sizeof(T) || bytes % sizeof(T) != 0) return errc::invalid_argument;
-    return remote_view(addr, bytes / sizeof(T), key, static_cast<std::uint32_t>(peer_space));
+    std::array<std::uint64_t, max_nic_keys> nic{};
+    if (version == 2) {
+      if (w.size() < wire_size || detail::load_le64(w.data() + 56) != 0) return errc::invalid_argument;
+      nic[0] = detail::load_le64(w.data() + 40);
+      nic[1] = detail::load_le64(w.data() + 48);
+    } else if (version != 0) {
+      return errc::invalid_argument;
+    }
+    return remote_view(addr, bytes / sizeof(T), key, static_cast<std::uint32_t>(peer_space), nic);
   }
 
  private:
@@ -141,6 +180,7 @@ class remote_view {
   std::size_t count_ = 0;
   std::uint64_t key_ = 0;
   std::uint32_t peer_ = 0;
+  std::array<std::uint64_t, max_nic_keys> nic_{};
 };
 
 }  // namespace gdr

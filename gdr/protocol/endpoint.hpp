@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -376,6 +377,7 @@ class basic_endpoint {
     op_awaitable o{eng_,          op_awaitable::kind::put, const_cast<std::byte*>(b.data()), b.size(),
                    remote.address(), remote.size_bytes(), remote.key(), std::move(opts)};
     o.set_spaces(detail::proto::device_of(w), space_traits<RS>::on_device);
+    o.set_nic(remote.nic_keys());
     return o;
   }
 
@@ -395,6 +397,56 @@ class basic_endpoint {
     op_awaitable o{eng_,          op_awaitable::kind::get, b.data(), b.size(), remote.address(), remote.size_bytes(),
                    remote.key(), std::move(opts)};
     o.set_spaces(detail::proto::device_of(w), space_traits<RS>::on_device);
+    o.set_nic(remote.nic_keys());
+    return o;
+  }
+
+  /// A put that also tells the owner: `value` arrives with the bytes, and
+  /// the owner's `co_await ep.notification()` gives it once they are in
+  /// place (verbs: one RDMA WRITE with immediate). Needs a view the
+  /// endpoint's NIC reaches directly (memory a verbs peer exposed); else
+  /// `errc::unsupported`. Errors otherwise as `put`.
+  template <detail::proto::viewable V, class U, class RS>
+  [[nodiscard]] op_awaitable put_notify(V&& local, remote_view<U, RS> remote, std::uint32_t value,
+                                        op_options opts = {}) const noexcept {
+    op_awaitable o = put(local, remote, std::move(opts));
+    o.set_notify(value);
+    return o;
+  }
+
+  /// Moves a list of blocks in one operation, with one completion: block
+  /// `i` is `blocks[i].bytes` bytes from byte `blocks[i].local` of `local`
+  /// to byte `blocks[i].remote` of `remote` (the hand-off of a KV cache:
+  /// hundreds of blocks of a pool). Every block is checked against both
+  /// views before anything moves (`errc::invalid_argument`). The blocks
+  /// array must stay alive until the operation completes. Needs a view the
+  /// endpoint's NIC reaches directly (verbs: chained RDMA WRITEs); else
+  /// `errc::unsupported`. Completes with the bytes moved.
+  template <detail::proto::viewable V, class U, class RS>
+  [[nodiscard]] op_awaitable put_batch(V&& local, remote_view<U, RS> remote, std::span<const block> blocks,
+                                       op_options opts = {}) const noexcept {
+    op_awaitable o = put(local, remote, std::move(opts));
+    o.set_batch(blocks.data(), blocks.size());
+    return o;
+  }
+  /// The same from `remote` into `local` (chained RDMA READs).
+  template <detail::proto::viewable V, class U, class RS>
+  [[nodiscard]] op_awaitable get_batch(V&& local, remote_view<U, RS> remote, std::span<const block> blocks,
+                                       op_options opts = {}) const noexcept {
+    op_awaitable o = get(local, remote, std::move(opts));
+    o.set_batch(blocks.data(), blocks.size());
+    return o;
+  }
+
+  /// Completes once every direct one-sided operation this side started
+  /// before it has completed at the peer (remote completion, as UCX's
+  /// flush): on verbs a zero-length RDMA WRITE after them, which RC
+  /// completes only after every earlier one. A served put completes only
+  /// once the owner has placed its bytes, so where nothing is direct it
+  /// completes at once.
+  [[nodiscard]] op_awaitable flush(op_options opts = {}) const noexcept {
+    op_awaitable o{eng_, op_awaitable::kind::put, nullptr, 0, 0, 0, 0, std::move(opts)};
+    o.set_flush();
     return o;
   }
 
@@ -415,8 +467,10 @@ class basic_endpoint {
     static_assert(!space_traits<RS>::on_device,
                   "gdr remote atomics: the word must be in the peer's host memory (Host or Pinned): a CPU does the "
                   "atomic, and no CPU may touch Device memory");
-    return {eng_, detail::proto::atomic_fetch_add, value, 0, remote.address(), remote.size_bytes(), remote.key(),
-            std::move(opts)};
+    detail::proto::atomic_op o{eng_,           detail::proto::atomic_fetch_add, value, 0, remote.address(),
+                               remote.size_bytes(), remote.key(),  std::move(opts)};
+    o.set_nic(remote.nic_keys());
+    return o;
   }
 
   /// Replaces the 8-byte word at `remote` with `desired` if it holds
@@ -428,8 +482,10 @@ class basic_endpoint {
     static_assert(!space_traits<RS>::on_device,
                   "gdr remote atomics: the word must be in the peer's host memory (Host or Pinned): a CPU does the "
                   "atomic, and no CPU may touch Device memory");
-    return {eng_, detail::proto::atomic_compare_swap, expected, desired, remote.address(), remote.size_bytes(),
-            remote.key(), std::move(opts)};
+    detail::proto::atomic_op o{eng_,           detail::proto::atomic_compare_swap, expected, desired, remote.address(),
+                               remote.size_bytes(), remote.key(),  std::move(opts)};
+    o.set_nic(remote.nic_keys());
+    return o;
   }
 
   /// Closes the endpoint in order: waits for the sends already started to go

@@ -171,5 +171,6 @@
 #include <gdr/protocol/engine/matching.hpp>
 #include <gdr/protocol/engine/two_sided.hpp>
 #include <gdr/protocol/engine/one_sided.hpp>
+#include <gdr/protocol/engine/direct.hpp>
 #include <gdr/protocol/engine/bounce_pool.hpp>
 #include <gdr/protocol/engine/staged.hpp>

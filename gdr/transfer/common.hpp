@@ -76,6 +76,16 @@ enum class transfer_path : std::uint8_t {
   cuda_ipc,        ///< CUDA IPC, GPU to GPU within a node
   gpudirect_rdma,  ///< NIC DMA to/from GPU memory
   shared_memory,   ///< copied through a shared-memory ring between processes of one node
+  one_sided_rdma,  ///< put, get or atomic posted by this side's NIC into the peer's exposed memory (no action by the peer)
+};
+
+/// One block of a batch transfer (`ep.put_batch`, `ep.get_batch`): `bytes`
+/// bytes at byte offset `local` of the local view and `remote` of the
+/// remote one.
+struct block {
+  std::size_t local = 0;
+  std::size_t remote = 0;
+  std::size_t bytes = 0;
 };
 
 /// A printable name for a path ("host-zero-copy", ...).
@@ -88,6 +98,7 @@ constexpr const char* to_string(transfer_path p) noexcept {
     case transfer_path::cuda_ipc: return "cuda-ipc";
     case transfer_path::gpudirect_rdma: return "gpudirect-rdma";
     case transfer_path::shared_memory: return "shared-memory";
+    case transfer_path::one_sided_rdma: return "one-sided-rdma";
   }
   return "?";
 }
@@ -104,7 +115,7 @@ struct transfer_stats {
   std::uint64_t bytes_sent = 0;      ///< payload bytes of successful sends and puts
   std::uint64_t bytes_received = 0;  ///< payload bytes of successful receives and gets
   /// Successful operations by the path they took, indexed by `transfer_path`.
-  std::array<std::uint64_t, static_cast<std::size_t>(transfer_path::shared_memory) + 1> by_path{};
+  std::array<std::uint64_t, static_cast<std::size_t>(transfer_path::one_sided_rdma) + 1> by_path{};
   /// Successful operations that took path `p`.
   std::uint64_t on_path(transfer_path p) const noexcept { return by_path[static_cast<std::size_t>(p)]; }
 };

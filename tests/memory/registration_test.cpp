@@ -573,3 +573,65 @@ TEST_CASE("when a revocation completes, no access from any thread is still in fl
   CHECK(reg.draining() == 0);
   CHECK(mem[0] == std::byte{0xee});
 }
+
+namespace {
+/// A NIC domain that records what it was asked (no NIC needed).
+struct fake_domain final : gdr::nic_domain {
+  using exposed_t = gdr::nic_domain::exposed;
+  std::uint32_t id = 0x77;
+  int exposed = 0, withdrawn = 0, gone = 0;
+  bool refuse = false;
+  std::uint32_t domain_id() const noexcept override { return id; }
+  gdr::result<exposed_t> expose(std::uintptr_t, std::size_t, gdr::access, int device) noexcept override {
+    if (device >= 0) return gdr::errc::unsupported;
+    if (refuse) return gdr::errno_code(ENOMEM);
+    ++exposed;
+    return exposed_t{reinterpret_cast<void*>(static_cast<std::uintptr_t>(exposed)), 100u + static_cast<std::uint32_t>(exposed)};
+  }
+  void withdraw(void*) noexcept override { ++withdrawn; }
+  void registry_gone(gdr::memory_registry&) noexcept override { ++gone; }
+};
+}  // namespace
+
+TEST_CASE("a registry exposed in a NIC domain registers there, puts the key in describe, and withdraws on revoke") {
+  fake_domain d;
+  std::vector<std::uint64_t> a(8), b(8), c(8);
+  {
+    gdr::memory_registry reg;
+    auto ra = reg.register_memory(gdr::host_view(a));  // before the domain: exposed at attach
+    reg.attach(d);
+    reg.attach(d);  // idempotent
+    CHECK(d.exposed == 1);
+    auto rb = reg.register_memory(gdr::host_view(b));
+    auto rc = reg.register_memory(gdr::host_view(c), gdr::access::read_write, gdr::exposure::checked);
+    CHECK(d.exposed == 2);
+    auto va = ra.describe(0), vb = rb.describe(0), vc = rc.describe(0);
+    CHECK(va.nic_keys()[0] == ((std::uint64_t{0x77} << 32) | 101));
+    CHECK(vb.nic_keys()[0] == ((std::uint64_t{0x77} << 32) | 102));
+    CHECK(!vc.nic_exposed());  // the checked mode: only the owner's loop
+    // The local lookup finds the exposure covering a range, not beyond it.
+    CHECK(reg.nic_handle(b.data() + 2, 16, d) == reinterpret_cast<void*>(std::uintptr_t{2}));
+    CHECK(reg.nic_handle(b.data() + 2, 64, d) == nullptr);
+    CHECK(reg.nic_handle(c.data(), 8, d) == nullptr);
+    // Device memory this domain cannot reach: registered, not exposed.
+    auto rd = reg.register_memory(gdr::view<std::uint64_t, gdr::Device>(c.data(), c.size(), 0));
+    CHECK(!rd.describe(0).nic_exposed());
+    // Revoked: withdrawn at once, and describe carries no key any more.
+    ra.revoke();
+    CHECK(d.withdrawn == 1);
+    CHECK(!ra.describe(0).nic_exposed());
+    CHECK(reg.nic_handle(a.data(), 8, d) == nullptr);
+    // A domain that refuses: the registration fails whole, nothing is left.
+    d.refuse = true;
+    CHECK_THROWS_AS(reg.register_memory(gdr::host_view(a)), gdr::error);
+    CHECK(reg.size() == 3);  // rb, rc, rd (ra is revoked), nothing of the refused one
+    d.refuse = false;
+    reg.detach(d);
+    CHECK(d.withdrawn == 2);  // rb's
+    CHECK(!rb.describe(0).nic_exposed());
+    reg.attach(d);
+    CHECK(d.exposed == 3);  // rb again (rc is checked, rd on the device)
+  }
+  CHECK(d.withdrawn == 3);  // rb's second exposure, withdrawn when rb went
+  CHECK(d.gone == 1);       // the registry told the domain it went
+}

@@ -41,6 +41,34 @@ TEST_CASE("a wire record for another space, element size or a short buffer is re
   CHECK(gdr::remote_view<std::uint32_t, gdr::Pinned>::from_wire(w).has_value());
 }
 
+TEST_CASE("NIC keys travel in the version-2 record and through subviews; a version-1 record still parses") {
+  using rv_t = gdr::remote_view<std::uint64_t, gdr::Host>;
+  rv_t r(0x1000, 64, 0x55, 3, {(std::uint64_t{0xabcd} << 32) | 0x1234, 0});
+  CHECK(r.nic_exposed());
+  auto w = r.to_wire();
+  auto back = rv_t::from_wire(w);
+  REQUIRE(back.has_value());
+  CHECK(back->nic_keys() == r.nic_keys());
+  CHECK(back->subview(8, 8).nic_keys() == r.nic_keys());
+  // The record before NIC keys: 40 bytes, version word 0; no NIC key.
+  std::array<std::byte, 40> v1{};
+  std::copy(w.begin(), w.begin() + 40, v1.begin());
+  v1[36] = v1[37] = v1[38] = v1[39] = std::byte{0};
+  auto old = rv_t::from_wire(v1);
+  REQUIRE(old.has_value());
+  CHECK(old->address() == 0x1000);
+  CHECK(!old->nic_exposed());
+  // A version-2 record cut short, an unknown version, or the reserved word set: refused.
+  CHECK(rv_t::from_wire(std::span(w).first(63)).error() == gdr::errc::invalid_argument);
+  auto v3 = w;
+  v3[36] = std::byte{3};
+  CHECK(rv_t::from_wire(v3).error() == gdr::errc::invalid_argument);
+  auto reserved = w;
+  reserved[60] = std::byte{1};
+  CHECK(rv_t::from_wire(reserved).error() == gdr::errc::invalid_argument);
+  CHECK(!rv_t(0, 1, 1, 0).nic_exposed());
+}
+
 TEST_CASE("a length that is not a whole number of elements is rejected") {
   gdr::remote_view<std::byte, gdr::Host> bytes(0, 10, 0, 0);
   auto w = bytes.to_wire();

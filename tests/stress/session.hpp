@@ -225,7 +225,7 @@ class session {
         b.set_in_use(true);
         me.window[g][d] = &b;
         const auto acc = g ? gdr::access::read : gdr::access::read_write;
-        std::array<std::byte, 40> w{};
+        std::array<std::byte, gdr::remote_view<std::byte, gdr::Host>::wire_size> w{};
         if (d == 0) {
           me.hreg[g].emplace(gdr::register_memory(reg_, b.host_view(), acc));
           w = me.hreg[g]->describe(static_cast<std::uint32_t>(i)).to_wire();
@@ -233,7 +233,7 @@ class session {
           me.dreg[g].emplace(gdr::register_memory(reg_, b.device_view(), acc));
           w = me.dreg[g]->describe(static_cast<std::uint32_t>(i)).to_wire();
         }
-        std::copy(w.begin(), w.end(), wire.begin() + (2 * g + d) * 40);
+        std::copy(w.begin(), w.end(), wire.begin() + (2 * g + d) * static_cast<std::ptrdiff_t>(w.size()));
       }
     }
     std::vector<std::byte> in(wire.size() + 8);
@@ -246,7 +246,8 @@ class session {
       ok = false;
       co_return;
     }
-    auto span = [&](int k) { return std::span<const std::byte>(in.data() + k * 40, 40); };
+    constexpr std::size_t rec = gdr::remote_view<std::byte, gdr::Host>::wire_size;
+    auto span = [&](int k) { return std::span<const std::byte>(in.data() + k * rec, rec); };
     for (int g = 0; g < 2; ++g) {
       auto h = gdr::remote_view<std::byte, gdr::Host>::from_wire(span(2 * g));
       auto d = gdr::remote_view<std::byte, gdr::Device>::from_wire(span(2 * g + 1));

@@ -207,9 +207,9 @@ TEST_CASE("puts and gets between host and Device memory, small and large, move b
     const std::size_t max = 2 * 1024 * 1024 + 9;
     nic_memory exposed(2 * max), local(max);  // puts from host land in the first half, from Device in the second
     std::vector<std::byte> hexposed(max);
-    auto dreg = gdr::register_memory(exposed.device());
+    auto dreg = gdr::register_memory(exposed.device(), gdr::access::read_write, gdr::exposure::checked);
     auto drv = dreg.describe(0);  // a remote_view of b's Device memory
-    auto hreg = gdr::register_memory(host(hexposed));
+    auto hreg = gdr::register_memory(host(hexposed), gdr::access::read_write, gdr::exposure::checked);
     auto hrv = hreg.describe(0);
     // Registrations made and cached while the pages are readable.
     std::vector<std::byte> warm(2 * max);
@@ -348,7 +348,7 @@ TEST_CASE("a GPU that needs the flush: each NIC write into Device memory ends wi
     const std::size_t n = 200 * 1024 + 1;
     nic_memory src(n), dst(n), exposed(n);
     std::vector<std::byte> h = pattern(n, 8), back(n);
-    auto reg = gdr::register_memory(exposed.device());
+    auto reg = gdr::register_memory(exposed.device(), gdr::access::read_write, gdr::exposure::checked);
     auto rv = reg.describe(0);
     // Registered while readable.
     co_await gdr::when_all(bytes_of(a.send(src.device())), bytes_of(b.recv(dst.device())));

@@ -48,7 +48,7 @@ TEST_CASE("a failed connection leaves no registration of its grants in the devic
     auto witness = co_await conformance::verbs_pair(sched, gdr::default_registry(), {}, {});
     {
       auto [a, b] = co_await conformance::verbs_pair(sched, gdr::default_registry(), oa, ob);
-      auto reg = gdr::register_memory(host(exposed));
+      auto reg = gdr::register_memory(host(exposed), gdr::access::read_write, gdr::exposure::checked);
       auto rv = reg.describe(0);
       // Both handshakes are done (b has read a message of a's), then b
       // stops reading, as a stopped process, and announces a rendezvous

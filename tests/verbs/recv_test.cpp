@@ -40,7 +40,7 @@ TEST_CASE("a large get stopped while its answer comes as SENDs writes nothing in
       [](auto& a, auto& b) -> gdr::task<> {
         const std::size_t n = std::size_t{4} << 20;  // 128 SENDs of answer
         std::vector<std::byte> exposed = pattern(n, 3);
-        auto reg = gdr::register_memory(host(exposed));
+        auto reg = gdr::register_memory(host(exposed), gdr::access::read_write, gdr::exposure::checked);
         auto rv = reg.describe(0);
         for (int round = 0; round < 3; ++round) {
           CAPTURE(round);

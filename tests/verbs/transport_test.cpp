@@ -129,7 +129,7 @@ TEST_CASE("put and get need the registration's key and stay inside it; a refusal
   REQUIRE_VERBS();
   with_pair([](auto& a, auto& b) -> gdr::task<> {
     std::vector<std::byte> target(4096, std::byte{0});
-    auto reg = gdr::register_memory(gdr::host_view(target));
+    auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write, gdr::exposure::checked);
     auto rv = reg.describe(0);
     auto src = pattern(4096, 1);
     CHECK(co_await a.put(cbytes_of(src), rv) == 4096);
@@ -163,7 +163,7 @@ TEST_CASE("a large put is read and a large get written by the target's NIC, stra
     for (std::size_t n : sizes) {
       CAPTURE(n);
       std::vector<std::byte> target(n, std::byte{0});
-      auto reg = gdr::register_memory(gdr::host_view(target));
+      auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write, gdr::exposure::checked);
       auto rv = reg.describe(0);
       auto src = pattern(n, static_cast<std::uint32_t>(n));
       gdr::op_report p = co_await report_of(a.put(cbytes_of(src), rv));
@@ -198,7 +198,7 @@ TEST_CASE("a refused large put or get moves nothing by RDMA, and the endpoint st
   with_pair([](auto& a, auto& b) -> gdr::task<> {
     const std::size_t n = 1 << 20;
     std::vector<std::byte> target(n, std::byte{0});
-    auto reg = gdr::register_memory(gdr::host_view(target));
+    auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write, gdr::exposure::checked);
     auto rv = reg.describe(0);
     auto src = pattern(n, 5);
     gdr::remote_view<std::byte, gdr::Host> bad(rv.address(), rv.size(), rv.key() + 1, 0);
@@ -228,7 +228,7 @@ TEST_CASE("a large get stopped after its request went out returns only when noth
     (void)b;
     const std::size_t n = 8u << 20;
     std::vector<std::byte> exposed = pattern(n, 9);
-    auto reg = gdr::register_memory(gdr::host_view(exposed));
+    auto reg = gdr::register_memory(gdr::host_view(exposed), gdr::access::read_write, gdr::exposure::checked);
     auto rv = reg.describe(0);
     for (auto delay : {0ms, 1ms, 5ms}) {
       CAPTURE(delay.count());
@@ -271,7 +271,7 @@ TEST_CASE("buffers over the registration limit go through the bounce buffers, ev
         [both](auto& a, auto& b) -> gdr::task<> {
           const std::size_t n = (1 << 20) + 7;  // 32 buffers and a bit
           std::vector<std::byte> target(n, std::byte{0});
-          auto reg = gdr::register_memory(gdr::host_view(target));
+          auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write, gdr::exposure::checked);
           auto rv = reg.describe(0);
           auto src = pattern(n, 21);
           gdr::op_report p = co_await report_of(a.put(cbytes_of(src), rv));
@@ -337,7 +337,7 @@ TEST_CASE("a receive registered for RDMA whose sender cannot register its messag
         CHECK(b.stats().rdma_received == 0);
         // A put from the limited side goes as SENDs, and is served.
         std::vector<std::byte> target(200000);
-        auto reg = gdr::register_memory(gdr::host_view(target));
+        auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write, gdr::exposure::checked);
         auto src = pattern(target.size(), 24);
         CHECK(co_await a.put(cbytes_of(src), reg.describe(0)) == target.size());
         CHECK(target == src);
@@ -354,7 +354,7 @@ TEST_CASE("cached registrations stay for the next transfer until the program inv
       [](auto& a, auto& b) -> gdr::task<> {
         const std::size_t n = 1 << 20;
         std::vector<std::byte> target(n);
-        auto reg = gdr::register_memory(gdr::host_view(target));
+        auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write, gdr::exposure::checked);
         auto rv = reg.describe(0);
         auto src = pattern(n, 11);
         CHECK(co_await a.put(cbytes_of(src), rv) == n);
@@ -380,7 +380,7 @@ TEST_CASE("revoking a registration waits for the peer's access in flight, then r
   with_pair([](auto& a, auto& b) -> gdr::task<> {
     (void)b;
     std::vector<std::byte> target(8u << 20);
-    auto reg = gdr::register_memory(gdr::host_view(target));
+    auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write, gdr::exposure::checked);
     auto rv = reg.describe(0);
     auto src = pattern(target.size(), 3);
     bool revoked = false;

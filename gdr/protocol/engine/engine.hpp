@@ -59,6 +59,8 @@ class engine {
   const protocol_stats& pstats() const noexcept { return *stats_; }
   /// The peer's capability bits from its hello.
   std::uint64_t peer_caps() const noexcept { return peer_caps_; }
+  /// The peer's NIC domain whose keys this side's NIC uses (0: none).
+  std::uint32_t direct_domain() const noexcept { return direct_domain_; }
 
   /// Rows a forced path excludes (`set_refused`): their operations fail
   /// with `errc::unsupported`.
@@ -171,6 +173,15 @@ class engine {
     (void)p, (void)n, (void)why;
     return {};
   }
+  /// Direct one-sided operations (see engine/direct.hpp): post put, get or
+  /// atomic `o` with the NIC (the transport owns it until on_direct_done,
+  /// which comes exactly once, from an event of its own), and take back one
+  /// the NIC has not been given yet (true: no on_direct_done follows).
+  virtual void link_direct(op& o) noexcept { on_direct_done(o, errc::unsupported); }
+  virtual bool link_direct_withdraw(op& o) noexcept {
+    (void)o;
+    return false;
+  }
   /// Frees the engine (the transport's object): `delete this`.
   virtual void destroy() noexcept = 0;
 
@@ -195,6 +206,13 @@ class engine {
 
   /// A placement stopped by link_abort_target() no longer uses its memory.
   void on_target_released() noexcept { release_target(std::exchange(aborted_, target{})); }
+
+  /// Set once by a transport with direct one-sided operations: the NIC
+  /// domain its peer exposes memory in (a put or get whose view carries a
+  /// key of it goes to link_direct).
+  void set_direct_domain(std::uint32_t domain) noexcept { direct_domain_ = domain; }
+  /// Direct operation `o` is over: its bytes moved (`ec` empty) or not.
+  void on_direct_done(op& o, std::error_code ec) noexcept;
 
   /// A kernel request of the transport completed: a close waiting for the
   /// transport to be quiet may finish.
@@ -294,6 +312,9 @@ class engine {
   bool launch(op& o) noexcept;
 
   bool begin_close(op& o) noexcept;
+
+  /// A put or get the transport's NIC moves (engine/direct.hpp).
+  bool launch_direct(op& o) noexcept;
 
   /// Posts the close frame once nothing started before it is left to send.
   void maybe_post_close() noexcept;
@@ -403,7 +424,6 @@ class engine {
 
   rx_plan rx_data(const header& h) noexcept;
 
-
   rx_plan rx_rts_cancel(const header& h) noexcept;
 
   /// Tells the sender of announcement `id` that no receive here will take
@@ -430,7 +450,6 @@ class engine {
 
   rx_plan rx_answer(const header& h) noexcept;
   rx_plan rx_atomic_request(const header& h) noexcept;
-
 
   // ---------------------------------------------------------------- the staged path
   //
@@ -520,7 +539,6 @@ class engine {
 
   void kick_waiters(bool rx) noexcept;
 
-
   void wait_for_slot(op& o, bool rx) noexcept;
   void stop_waiting(op& o) noexcept;
 
@@ -555,7 +573,6 @@ class engine {
   void deliver_early_staged(op& o, early_msg* m) noexcept;
 
   void try_deliver_early(op& o) noexcept;
-
 
   /// A staged eager send: one chunk copied out, then sent.
   bool launch_staged_eager(op& o) noexcept;
@@ -598,16 +615,7 @@ class engine {
 
   // ---------------------------------------------------------------- early credits
   //
-  // Early credits. The room each side keeps for early messages (eager
-  // bytes and announcements no receive has taken yet: `unexpected_bytes`,
-  // `unexpected_messages`) is granted to the peer in advance: a `credit`
-  // frame right after the hello, then more as messages are taken. A sender
-  // spends a message slot on every message and the bytes of an eager one;
-  // short of bytes it announces the message instead (rendezvous), short of
-  // slots it waits, in order, on its own side (send_wait_). The receiver
-  // gives credit back in batches of a quarter of its room. So the store
-  // never fills while the reader keeps reading: the data of receives that
-  // already matched always gets through.
+  // Early credits: see the file comment of engine/two_sided.hpp.
 
   /// This side has taken one early message of `bytes` (eager) or an
   /// announcement (0): the peer may send it again.
@@ -652,19 +660,7 @@ class engine {
 
   // ---------------------------------------------------------------- answers
 
-  // Reply slots. An endpoint grants its peer `reply_slots` credits in its
-  // hello from the start, but allocates a slot only when a request finds
-  // none free (an idle endpoint holds none: 64 of them were 16.5 KiB,
-  // zeroed at creation, benchmarks/RESULTS.md "Idle endpoints"); a slot is
-  // kept once made, so a steady stream of requests allocates nothing. The
-  // peer never has more requests unanswered than the credits, so at most
-  // `reply_slots` are made. When one cannot be allocated, the request is
-  // answered from the spare slot, which every engine holds, with
-  // `status::no_memory`: that put or get fails with
-  // `std::errc::not_enough_memory` on the peer, whose credit comes back with
-  // the answer, and the connection goes on. While the spare's answer is not
-  // yet written, a further request that finds no slot pauses the reader, as
-  // one does when every slot is in use, until it is.
+  // Reply slots: see the file comment of engine/one_sided.hpp.
 
   reply_slot* take_slot() noexcept;
 
@@ -779,6 +775,10 @@ class engine {
   bool credit_due_ = false;        // credits came back and someone waits (run_deferred)
   op_list credit_wait_{};          // puts and gets waiting for a credit
   std::vector<op*> credit_pumps_;  // staged puts and gets whose next segment waits for one
+  // ---- direct one-sided operations ----
+  std::uint32_t direct_domain_ = 0;  // the peer's NIC domain (0: none)
+  op_list direct_{};                 // with the transport, or about to be (direct_due_)
+  std::vector<op*> direct_due_;      // handed to link_direct at the end of the event
   // ---- the transport calls an event queued (drain) ----
   bool draining_ = false;
   /// Something waits for drain(): a frame in the outbox, a stop, a finish,

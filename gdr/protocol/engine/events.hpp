@@ -311,7 +311,7 @@ inline void engine::unlink_due(op& o) noexcept {
 inline bool engine::drain() noexcept {
   if (!due_) {
     assert(!link_end_due() && outbox_head_ == nullptr && !abort_due_ && stops_head_ == nullptr &&
-           finishes_head_ == nullptr && !resume_due_ && "gdr: engine work queued without due()");
+           finishes_head_ == nullptr && !resume_due_ && direct_due_.empty() && "gdr: engine work queued without due()");
     return false;
   }
   return drain_due();
@@ -331,6 +331,13 @@ inline bool engine::drain_due() noexcept {
     } else {
       link_post(*f);
     }
+  }
+  while (!direct_due_.empty()) {
+    op* o = direct_due_.front();
+    direct_due_.erase(direct_due_.begin());
+    o->direct_due_ = false;
+    o->direct_out_ = true;
+    link_direct(*o);
   }
   if (std::exchange(abort_due_, false) && current_target_dead()) abort_current();
   while (op* o = stops_head_) {

@@ -94,6 +94,7 @@ inline std::string engine::describe() const {
   list("recvs", recvs_);
   list("awaiting", awaiting_data_);
   list("rma", rma_);
+  list("direct", direct_);
   list("staging", staging_);
   list("send_wait", send_wait_);
   list("credit_wait", credit_wait_);
@@ -158,6 +159,15 @@ inline void engine::do_cancel(op& o, std::error_code why) noexcept {
     case op::kind::send: cancel_send(o, why); return;
     case op::kind::put:
     case op::kind::get:
+      if (o.stage_ == op::stage::direct) {
+        if (o.direct_out_ && !link_direct_withdraw(o)) {
+          o.stop_reason_ = why;  // the NIC has it: it ends when the NIC is done
+          return;
+        }
+        o.direct_out_ = false;
+        complete(o, why);
+        return;
+      }
       if (o.segmented()) {
         // Requests not yet written are withdrawn (try_finish); answers
         // to those out are dropped.
@@ -289,7 +299,11 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
   }
   delist(o);
   // One test for the queues and holdings a small message never has.
-  if (o.waiting_ | o.pump_due_ | o.credit_due_ | o.holds_order_ | (o.early_ != nullptr)) {
+  if (o.waiting_ | o.pump_due_ | o.credit_due_ | o.holds_order_ | o.direct_due_ | (o.early_ != nullptr)) {
+    if (o.direct_due_) {
+      std::erase(direct_due_, &o);  // never handed to the transport
+      o.direct_due_ = false;
+    }
     if (o.waiting_) stop_waiting(o);
     if (o.pump_due_) {
       std::erase(pumps_, &o);
@@ -323,7 +337,7 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
 inline void engine::try_finish(op& o) noexcept {
   if (!o.result_set_ || o.finished_ || o.placing_) return;
   const bool calls_link = held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_) || o.slots_ != 0 ||
-                          o.kind_ == op::kind::close;
+                          o.direct_out_ || o.kind_ == op::kind::close;
   if (!calls_link) {
     // Nothing of it is with the transport (a small message's usual end).
     if (o.copies_ == 0) finish_unlinked(o);
@@ -345,6 +359,11 @@ inline void engine::finish_now(op& o) noexcept {
   if (!o.result_set_ || o.finished_ || o.placing_) return;
   if (held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_)) {
     if (!frames_released(o)) return;
+  }
+  // A direct operation the NIC has: on_direct_done finishes it.
+  if (o.direct_out_) {
+    if (!link_direct_withdraw(o)) return;
+    o.direct_out_ = false;
   }
   // Copies still write or read its memory; its segments' frames are
   // still with the transport.
@@ -405,6 +424,7 @@ inline void engine::fail(std::error_code ec, bool in_order) noexcept {
   while (op* o = recvs_.head) complete(*o, ec);
   while (op* o = awaiting_data_.head) complete(*o, ec);
   while (op* o = rma_.head) complete(*o, ec);
+  while (op* o = direct_.head) complete(*o, ec);  // those the NIC has finish when it gives them back
   while (op* o = credit_wait_.head) complete(*o, ec);
   while (op* o = send_wait_.head) complete(*o, ec);
   // A receive in staging_ is copying a kept message into device memory:

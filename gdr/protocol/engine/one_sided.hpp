@@ -1,7 +1,22 @@
 /// \file
 /// Puts and gets: serving the peer's requests, answering them from reply
 /// slots, completing this side's requests from their answers, and the
-/// credits (the peer's reply slots) those requests spend.
+/// credits (the peer's reply slots) those requests spend. Direct one-sided
+/// operations, which the transport's NIC moves, are in engine/direct.hpp.
+///
+/// Reply slots. An endpoint grants its peer `reply_slots` credits in its
+/// hello from the start, but allocates a slot only when a request finds
+/// none free (an idle endpoint holds none: 64 of them were 16.5 KiB,
+/// zeroed at creation, benchmarks/RESULTS.md "Idle endpoints"); a slot is
+/// kept once made, so a steady stream of requests allocates nothing. The
+/// peer never has more requests unanswered than the credits, so at most
+/// `reply_slots` are made. When one cannot be allocated, the request is
+/// answered from the spare slot, which every engine holds, with
+/// `status::no_memory`: that put or get fails with
+/// `std::errc::not_enough_memory` on the peer, whose credit comes back with
+/// the answer, and the connection goes on. While the spare's answer is not
+/// yet written, a further request that finds no slot pauses the reader, as
+/// one does when every slot is in use, until it is.
 #pragma once
 
 #include <algorithm>

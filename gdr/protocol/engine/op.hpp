@@ -3,6 +3,7 @@
 /// state, its frames and the links of the engine's lists.
 #pragma once
 
+#include <array>
 #include <cassert>
 #include <coroutine>
 #include <cstddef>
@@ -48,7 +49,8 @@ class op : private gdr::detail::cancellable<op> {
       : cancellable<op>(std::move(o)),
         eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
         rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_), dev_(o.dev_), remote_dev_(o.remote_dev_),
-        nic_dev_(o.nic_dev_), remote_nic_(o.remote_nic_), atomic_(o.atomic_), atomic_args_{o.atomic_args_[0], o.atomic_args_[1]} {}
+        nic_dev_(o.nic_dev_), remote_nic_(o.remote_nic_), atomic_(o.atomic_), atomic_args_{o.atomic_args_[0], o.atomic_args_[1]},
+        nic_{o.nic_[0], o.nic_[1]}, batch_(o.batch_), nbatch_(o.nbatch_), notify_(o.notify_), flush_(o.flush_) {}
   op& operator=(op&&) = delete;
 
   /// Before it is awaited: the local memory is `Device` memory of GPU `dev`
@@ -72,6 +74,48 @@ class op : private gdr::detail::cancellable<op> {
   /// Before it is awaited: where its bytes go (a buffer inside a derived
   /// awaitable, which moves with it).
   void set_buffer(std::byte* data) noexcept { data_ = data; }
+  /// Before it is awaited: the remote view's NIC keys (`remote_view::nic_keys`):
+  /// a transport with direct one-sided operations may post it to its NIC.
+  void set_nic(const std::array<std::uint64_t, 2>& keys) noexcept {
+    nic_[0] = keys[0];
+    nic_[1] = keys[1];
+  }
+  /// Before it is awaited: a batch of `n` blocks (`gdr::block`, offsets in
+  /// bytes into the local and the remote memory) instead of one transfer.
+  void set_batch(const block* b, std::size_t n) noexcept {
+    static constexpr block none{};
+    batch_ = n == 0 ? &none : b;  // an empty batch is still a batch
+    nbatch_ = n;
+  }
+
+  // ---- what a transport that posts it directly reads (`engine::link_direct`) ----
+  bool is_get() const noexcept { return kind_ == kind::get; }
+  std::byte* local_data() const noexcept { return data_; }
+  std::size_t local_size() const noexcept { return size_; }
+  std::uint64_t remote_address() const noexcept { return raddr_; }
+  std::size_t remote_size() const noexcept { return rsize_; }
+  /// The remote key of NIC domain `domain` (0: the view has none).
+  std::uint32_t nic_key(std::uint32_t domain) const noexcept {
+    for (std::uint64_t k : nic_)
+      if (k != 0 && static_cast<std::uint32_t>(k >> 32) == domain) return static_cast<std::uint32_t>(k);
+    return 0;
+  }
+  /// A remote atomic's operation (0: none) and operands.
+  std::uint64_t atomic_code() const noexcept { return atomic_; }
+  std::uint64_t atomic_arg(int i) const noexcept { return atomic_args_[i]; }
+  /// Before it is awaited: a put that also tells the owner `value`
+  /// (`put_notify`), or a flush of the direct operations before it.
+  void set_notify(std::uint32_t value) noexcept { notify_ = (std::uint64_t{1} << 32) | value; }
+  void set_flush() noexcept { flush_ = true; }
+  bool notifies() const noexcept { return (notify_ >> 32) != 0; }
+  std::uint32_t notify_value() const noexcept { return static_cast<std::uint32_t>(notify_); }
+  bool is_flush() const noexcept { return flush_; }
+  /// GPUDirect: the local memory is Device memory of this GPU (-1: host).
+  int local_device() const noexcept { return nic_dev_; }
+  const block* batch() const noexcept { return batch_; }
+  std::size_t batch_size() const noexcept { return nbatch_; }
+  /// The transport's link while it holds the operation (a queue of its own).
+  op* direct_next = nullptr;
 
   bool await_ready() const noexcept { return false; }
 
@@ -140,6 +184,7 @@ class op : private gdr::detail::cancellable<op> {
     posted,       // recv: waiting for a message
     placing,      // recv/get: its payload is being placed
     awaiting,     // recv: rtr sent, waiting for data; put/get: waiting for the answer
+    direct,       // put/get: posted by the transport itself (its NIC), on_direct_done ends it
   };
 
   /// The one place that says how an operation of each kind may move
@@ -149,7 +194,7 @@ class op : private gdr::detail::cancellable<op> {
   /// any stage of the kind's, and a stage may be entered again:
   ///   send      held, queued, announced -> withdrawing -> sending, announced -> sending
   ///   recv      posted, awaiting -> placing, placing
-  ///   put, get  held, queued, awaiting -> placing (a get's reply)
+  ///   put, get  held, queued, awaiting -> placing (a get's reply), direct
   ///   close     idle only (its frame and the link's end say where it is)
   static constexpr bool may_move(kind k, stage from, stage to) noexcept {
     if (to == stage::idle) return true;
@@ -161,7 +206,8 @@ class op : private gdr::detail::cancellable<op> {
         case kind::recv: return s == stage::posted || s == stage::awaiting || s == stage::placing;
         case kind::put:
         case kind::get:
-          return s == stage::held || s == stage::queued || s == stage::awaiting || s == stage::placing;
+          return s == stage::held || s == stage::queued || s == stage::awaiting || s == stage::placing ||
+                 s == stage::direct;
         case kind::close: return false;
       }
       return false;
@@ -218,6 +264,11 @@ class op : private gdr::detail::cancellable<op> {
   bool remote_nic_ = false;  // GPUDirect: put/get: the peer's memory is Device memory (its NIC moves it)
   std::uint64_t atomic_ = 0;           // a get that is a remote atomic: its operation (0: none)
   std::uint64_t atomic_args_[2] = {};  // its operands (the request's payload)
+  std::uint64_t nic_[2] = {};          // put/get: the remote view's NIC keys (domain << 32 | rkey)
+  const block* batch_ = nullptr;       // put/get: a batch of blocks (direct only)
+  std::size_t nbatch_ = 0;
+  std::uint64_t notify_ = 0;           // put: 1 << 32 | the value to tell the owner (direct only)
+  bool flush_ = false;                 // a flush of this side's direct operations (a put of nothing)
 
   // ---- state (loop thread) ----
   stage stage_ = stage::idle;
@@ -252,6 +303,8 @@ class op : private gdr::detail::cancellable<op> {
   bool holds_order_ = false;  // staged eager send: later sends wait until its frame is posted
   std::size_t debit_ = 0;
   bool finish_due_ = false;   // in the engine's finishes_ (try_finish at the end of the event)
+  bool direct_out_ = false;   // direct: the transport holds it (link_direct, until on_direct_done)
+  bool direct_due_ = false;   // direct: in the engine's direct_due_ (handed over at the end of the event)
   bool stop_due_ = false;     // in the engine's stops_ (a stop handled at the end of the event; its reason in stop_reason_)
   stage_slot* sq_head_ = nullptr;  // tx slots it holds, by offset
   stage_slot* sq_tail_ = nullptr;

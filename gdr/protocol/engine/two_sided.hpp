@@ -1,6 +1,17 @@
 /// \file
 /// Sends: eager and rendezvous (rts, rtr, data), a send's stop (rts_cancel,
 /// rts_withdrawn), and the eager limits of a send and a receive.
+///
+/// Early credits. The room each side keeps for early messages (eager
+/// bytes and announcements no receive has taken yet: `unexpected_bytes`,
+/// `unexpected_messages`) is granted to the peer in advance: a `credit`
+/// frame right after the hello, then more as messages are taken. A sender
+/// spends a message slot on every message and the bytes of an eager one;
+/// short of bytes it announces the message instead (rendezvous), short of
+/// slots it waits, in order, on its own side (send_wait_). The receiver
+/// gives credit back in batches of a quarter of its room. So the store
+/// never fills while the reader keeps reading: the data of receives that
+/// already matched always gets through.
 #pragma once
 
 #include <algorithm>
@@ -28,7 +39,18 @@ inline bool engine::begin_out(op& o) noexcept {
     return false;
   }
   if (!spaces_allowed(o)) return false;
-  if (o.kind_ != op::kind::send && o.size_ > o.rsize_) {
+  if (o.batch_ != nullptr) {
+    // Every block inside both views (overflow-safe), checked here before
+    // anything is posted; the peer's NIC checks the rest.
+    for (std::size_t i = 0; i < o.nbatch_; ++i) {
+      const block& b = o.batch_[i];
+      if (b.bytes > o.size_ || b.local > o.size_ - b.bytes || b.bytes > o.rsize_ || b.remote > o.rsize_ - b.bytes) {
+        o.ec_ = errc::invalid_argument;
+        o.what_ = "a block of the batch lies outside the local or the remote view";
+        return false;
+      }
+    }
+  } else if (o.kind_ != op::kind::send && o.size_ > o.rsize_) {
     o.ec_ = errc::invalid_argument;  // the local view must fit in the remote one
     return false;
   }
@@ -104,6 +126,16 @@ inline bool engine::launch(op& o) noexcept {
     }
     case op::kind::put:
     case op::kind::get: {
+      // A view the peer's NIC serves: this side's NIC moves it.
+      if (direct_domain_ != 0 && !o.staged() && (o.flush_ || o.nic_key(direct_domain_) != 0)) return launch_direct(o);
+      if (o.flush_) return false;  // nothing of this side's is in flight without the peer knowing it
+      if (o.batch_ != nullptr || o.notifies()) {
+        o.ec_ = errc::unsupported;
+        o.what_ = o.batch_ != nullptr
+                      ? "a batch needs a remote view this endpoint's NIC reaches (memory a verbs peer exposed)"
+                      : "a notifying put needs a remote view this endpoint's NIC reaches (memory a verbs peer exposed)";
+        return false;
+      }
       if (o.atomic_ != 0 && (peer_caps_ & caps::atomics) == 0) {
         o.ec_ = errc::unsupported;
         o.what_ = "the peer's gdr serves no remote atomics (an older version)";

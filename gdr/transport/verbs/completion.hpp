@@ -57,6 +57,7 @@
 #include <gdr/sched/operation.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
+#include <gdr/transport/verbs/domain.hpp>
 #include <gdr/transport/verbs/flush.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 
@@ -124,6 +125,9 @@ struct device_queue {
   /// The GPUDirect flush's loopback queue pair (made by the first endpoint
   /// whose GPU needs it).
   std::unique_ptr<flush_qp> flush;
+  /// The protection domain as a NIC domain registries are exposed in
+  /// (domain.hpp).
+  std::unique_ptr<pd_domain> domain;
 };
 
 namespace detail {
@@ -281,6 +285,7 @@ class cq_poller final : public poller {
 
   ~cq_poller() override {
     for (auto& d : devices_) {
+      d->domain.reset();  // its registrations go before the protection domain
       d->recv_mrs.reset();
       d->send_mrs.reset();
       d->device_mrs.reset();
@@ -317,6 +322,7 @@ class cq_poller final : public poller {
     try {
       d->recv_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, local_write_access});
       d->send_mrs = std::make_unique<mr_cache>(mr_backend{d->pd, local_read_access});
+      d->domain = std::make_unique<pd_domain>(d->pd);
     } catch (...) {
       return fail(ENOMEM);
     }

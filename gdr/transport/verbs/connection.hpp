@@ -15,6 +15,9 @@
 ///                      SENDs or RDMA WRITEs, send completions;
 ///   * `rdma_read.hpp`  serving a put by RDMA READ, and the GPUDirect flush:
 ///                      placements that wait for the NIC;
+///   * `rma.hpp`        the one-sided lane: direct puts, gets, atomics,
+///                      batches, notifications and flushes on queue pairs
+///                      of their own;
 ///   * `liveness.hpp`   device events, the keepalive, rdma_cm's events,
 ///                      failure.
 ///
@@ -63,8 +66,10 @@
 
 #include <algorithm>
 #include <cassert>
+#include <deque>
 #include <cerrno>
 #include <chrono>
+#include <coroutine>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -91,6 +96,7 @@
 #include <gdr/transport/verbs/flush.hpp>
 #include <gdr/transport/verbs/gate.hpp>
 #include <gdr/transport/verbs/gpudirect.hpp>
+#include <gdr/transport/verbs/lane.hpp>
 #include <gdr/transport/verbs/memory.hpp>
 #include <gdr/transport/verbs/options.hpp>
 #include <gdr/transport/verbs/wire.hpp>
@@ -115,7 +121,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// The connection sends nothing until `start()`. Throws `gdr::error`.
   connection(scheduler& s, rdma_cm_id* id, rdma_event_channel* ch, memory_registry& reg,
              const endpoint_options& o, std::uint64_t caps)
-      : engine(s, reg, o.protocol, stats_, caps), id_(id), ch_(ch), vopts_(o) {
+      : engine(s, reg, o.protocol, stats_, caps), id_(id), ch_(ch), vopts_(o), lane_registry_(&reg) {
     buf_ = std::max<std::size_t>(vopts_.buffer_size, 1024);
     rx_n_ = std::max(vopts_.rx_depth, 4u);
     tx_n_ = std::max(vopts_.tx_depth, 4u);
@@ -139,6 +145,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       setup();
     } catch (...) {
       // The caller keeps the id and its channel; only what setup() made goes.
+      lane_teardown();
       if (id_->qp != nullptr) {
         if (dq_ != nullptr) poller_->unwatch_qp(dq_, id_->qp);
         rdma_destroy_qp(id_);
@@ -167,6 +174,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
         gpudirect_fail("no flush for a GPU that needs one");
       }
     }
+    lane_start(peer);
     start_protocol();
     arm_cm_watch();
     ++activity_;
@@ -178,6 +186,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     p.rx_depth = static_cast<std::uint32_t>(rx_n_);
     p.buffer_size = static_cast<std::uint32_t>(buf_);
     if (gpudirect_ != nullptr) p.flags |= conn_params::flag_gpudirect;
+    if (lane_init_ != nullptr) {
+      p.domain = dq_->domain->domain_id();
+      p.lane_init_qpn = lane_init_->qp_num;
+      p.lane_target_qpn = lane_target_->qp_num;
+    }
     return p;
   }
 
@@ -285,13 +298,9 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     std::uint64_t raddr;
     std::uint32_t rkey;
   };
-  /// A payload placed from SENDs, buffer by buffer (recv.hpp). It is
-  /// recorded as soon as the engine has said where the payload goes, before
-  /// anything else can reach the engine, so that a stop of the placement
-  /// (`link_abort_target`) finds it and drops the rest wherever the stop
-  /// comes from (issue 15, defect 6: it was set up after a call that could
-  /// end the operation, and the SENDs after the first wrote into its freed
-  /// buffer).
+  /// A payload placed from SENDs, buffer by buffer (recv.hpp), recorded
+  /// before anything else can reach the engine, so that a stop of the
+  /// placement (`link_abort_target`) always finds it (issue 15, defect 6).
   struct sends_placement {
     bool active = false;          // a payload is being placed
     std::byte* dst = nullptr;     // where the wanted bytes go (null: dropped)
@@ -382,11 +391,13 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     poller_->watch_qp(dq_, id_->qp, this);
     for (std::uint32_t i = 0; i < rx_n_; ++i)
       if (std::error_code ec = post_recv(i)) throw gdr::error(ec, "gdr::verbs: ibv_post_recv");
+    lane_setup();
   }
 
   /// Frees what setup() made. The queue pair must have no work request
   /// outstanding (flushed, or never posted).
   void teardown() noexcept {
+    lane_teardown();
     if (id_ != nullptr) {
       if (id_->qp != nullptr) {
         if (dq_ != nullptr) poller_->unwatch_qp(dq_, id_->qp);
@@ -503,18 +514,14 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
       ibv_modify_qp(id_->qp, &a, IBV_QP_STATE);
     }
     if (established_ && id_ != nullptr) rdma_disconnect(id_);  // the peer learns at once
+    lane_shutdown(failed() ? error() : std::error_code(errc::closed));
     // Copied frames not yet handed back: the failure may have come before
     // the NIC sent them, so they end with the error (dropped_), not as sent.
     while (frame* f = copied_.pop_front()) drop(*f);
     while (frame* f = tx_.head) {
+      // (A partly posted one too: no flushed completion names it.)
       tx_.erase(f);
-      if (f->sealed) {
-        // Partly posted: its flushed completions cannot end it (no
-        // completion names it), so it is handed back here.
-        drop(*f);
-      } else {
-        drop(*f);
-      }
+      drop(*f);
     }
     // Memory the peer was to write into or read from: the queue pair is in
     // error, so it is free again. A frame still being sent comes back
@@ -552,7 +559,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   bool link_quiet() const noexcept override {
     return rx_outstanding_ == 0 && sq_used_ == 0 && tx_busy_ == 0 && !cm_watch_in_flight_ && !kick_posted_ &&
-           dropped_.empty() && copied_.empty() && !gate_.in_flight();
+           dropped_.empty() && copied_.empty() && !gate_.in_flight() && lane_out_ == 0 && lane_rx_out_ == 0 &&
+           !lane_marker_.posted;
   }
 
   void link_release() noexcept override {}
@@ -561,6 +569,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     return direct ? transfer_path::host_zero_copy : transfer_path::host_eager;
   }
   transfer_path link_tx_path() const noexcept override { return tx_path_; }
+  void link_direct(proto::op& o) noexcept override;
+  bool link_direct_withdraw(proto::op& o) noexcept override;
 
  private:
   // ---- recv.hpp: the receive ring, parsing, SENDs and WRITE_WITH_IMM placed
@@ -622,6 +632,45 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   static void on_flush(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
   static void on_flush_room(gdr::verbs::flush_waiter* w) noexcept;
   void flush_done(const ibv_wc& wc) noexcept;
+
+  // ---- rma.hpp: the one-sided lane (its types: lane.hpp)
+ public:
+  /// Takes a notification if one is there (true), else queues `w`.
+  bool take_note(note_waiter& w) noexcept;
+  /// Unqueues `w` (its coroutine is destroyed while waiting).
+  void drop_note_waiter(note_waiter& w) noexcept;
+  /// The one-sided lane is connected and usable now.
+  bool one_sided_ready() const noexcept { return lane_phase_ == lane_phase::ready; }
+
+ private:
+  void lane_to(lane_phase p) noexcept;
+  ibv_qp* lane_make_qp(std::uint32_t send_wrs, std::uint32_t recv_wrs) noexcept;
+  void lane_setup();
+  void lane_teardown() noexcept;
+  std::error_code lane_connect(ibv_qp* qp, std::uint32_t dest, bool target) noexcept;
+  static std::error_code lane_reset_qp(ibv_qp* qp) noexcept;
+  std::error_code lane_post_receives() noexcept;
+  void lane_start(const conn_params& peer) noexcept;
+  lane_piece lane_piece_of(const lane_job& j, std::size_t i) noexcept;
+  void lane_pump() noexcept;
+  std::error_code lane_local_memory(lane_job& j) noexcept;
+  bool lane_post(lane_job& j) noexcept;
+  static void on_lane_wc(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
+  void lane_done(lane_job& j, const ibv_wc& wc) noexcept;
+  void lane_end_job(lane_job& j, std::error_code ec) noexcept;
+  void lane_free_job(lane_job& j) noexcept;
+  void lane_break() noexcept;
+  void lane_mark() noexcept;
+  static void on_lane_marker(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
+  void lane_marked() noexcept;
+  void lane_begin_reset() noexcept;
+  void lane_control(const wire_header& w) noexcept;
+  void lane_try_target_reset() noexcept;
+  void lane_send_control() noexcept;
+  static void on_lane_rx(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
+  void lane_rx_done(lane_rx& r, const ibv_wc& wc) noexcept;
+  void wake_note_waiters() noexcept;
+  void lane_shutdown(std::error_code ec) noexcept;
 
   // ---- liveness.hpp: device events, keepalive, rdma_cm events, failure, kicks
   void on_tick() noexcept override;
@@ -706,7 +755,39 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   kick_node kick_{};
   bool kick_posted_ = false;
   cm_op cm_watch_{};
-  bool cm_watch_in_flight_ = false;};
+  bool cm_watch_in_flight_ = false;
+
+  // the one-sided lane (rma.hpp)
+  memory_registry* lane_registry_;
+  lane_phase lane_phase_ = lane_phase::off;
+  ibv_qp* lane_init_ = nullptr;
+  ibv_qp* lane_target_ = nullptr;
+  lane_event_sink lane_sink_{};
+  lane_marker lane_marker_{};
+  std::error_code lane_error_{};  // why the lane is shut
+  std::uint32_t peer_lane_init_ = 0, peer_lane_target_ = 0;  // the peer's queue pair numbers
+  std::uint8_t lane_rd_atomic_ = 1;
+  unsigned lane_inline_ = 0;
+  std::uint32_t lane_depth_ = 0;  // jobs
+  int lane_sq_ = 0, lane_out_ = 0;  // send-queue entries, and work requests in flight
+  std::uint32_t lane_rx_n_ = 0;
+  int lane_rx_out_ = 0;           // notification receives posted
+  std::unique_ptr<lane_job[]> lane_jobs_;
+  gdr::verbs::owned_mr lane_mr_;  // of lane_jobs_ (their scratch)
+  std::unique_ptr<lane_rx[]> lane_rx_;
+  lane_job* lane_free_ = nullptr;
+  proto::fifo<lane_job, &lane_job::prev, &lane_job::next> lane_active_{};  // jobs in order
+  proto::op* lane_wait_head_ = nullptr;  // operations waiting for a job (op::direct_next)
+  proto::op* lane_wait_tail_ = nullptr;
+  std::uint32_t lane_gen_ = 0;       // this side's resets
+  std::uint32_t lane_peer_gen_ = 0;  // the peer's latest reset
+  std::uint8_t lane_ctl_due_ = 0;    // lane control messages to send (lane_ctl_reset, lane_ctl_ready)
+  bool lane_target_reset_due_ = false;
+  std::deque<std::uint32_t> notes_;  // notifications not yet taken
+  std::error_code note_error_{};
+  note_waiter* note_head_ = nullptr;  // waiting for a notification, in order
+  note_waiter* note_tail_ = nullptr;
+};
 
 }  // namespace gdr::detail::verbs
 
@@ -715,4 +796,5 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 #include <gdr/transport/verbs/liveness.hpp>
 #include <gdr/transport/verbs/rdma_read.hpp>
 #include <gdr/transport/verbs/recv.hpp>
+#include <gdr/transport/verbs/rma.hpp>
 #include <gdr/transport/verbs/send.hpp>

@@ -85,10 +85,50 @@ namespace verbs {
 /// Awaitable of the endpoint's operations (see `gdr::op_awaitable`).
 using operation_awaitable = gdr::op_awaitable;
 
+/// Awaitable of `endpoint::notification()`: `co_await` gives the value of
+/// the peer's next notifying put, or throws `gdr::error` (the endpoint
+/// failed or closed; `errc::unsupported` where the endpoint has no
+/// one-sided lane). Movable until awaited.
+class notification_awaitable {
+ public:
+  explicit notification_awaitable(gdr::detail::verbs::connection* c) noexcept : c_(c) {}
+  notification_awaitable(notification_awaitable&& o) noexcept : c_(o.c_) {}
+  notification_awaitable& operator=(notification_awaitable&&) = delete;
+  ~notification_awaitable() {
+    if (c_ != nullptr) c_->drop_note_waiter(w_);
+  }
+  bool await_ready() const noexcept { return false; }
+  bool await_suspend(std::coroutine_handle<> h) noexcept {
+    if (c_ == nullptr) {
+      w_.ec = errc::closed;
+      return false;
+    }
+    w_.h = h;
+    return !c_->take_note(w_);
+  }
+  std::uint32_t await_resume() {
+    if (w_.ec) throw gdr::error(w_.ec, "gdr::verbs: no notification will come");
+    return w_.value;
+  }
+
+ private:
+  gdr::detail::verbs::connection* c_;
+  gdr::detail::verbs::note_waiter w_{};
+};
+
 /// A connected verbs endpoint (see the file comment). Move-only. Made by
 /// `verbs::connect` and `verbs::listener::accept`.
 class endpoint : public basic_endpoint<transport> {
  public:
+  /// The value of the peer's next notifying put into this side's memory
+  /// (`put_notify`), in the order they arrived: the put's bytes are in
+  /// place. A peer's notifications wait here until taken (`notify_depth`
+  /// of them at the NIC; more hold the peer's one-sided operations until
+  /// this side reads them).
+  [[nodiscard]] notification_awaitable notification() const noexcept { return notification_awaitable(conn()); }
+  /// The one-sided lane is connected: puts, gets and atomics into views
+  /// this side's NIC reaches go directly (`transfer_path::one_sided_rdma`).
+  bool one_sided() const noexcept { return conn() != nullptr && conn()->one_sided_ready(); }
   endpoint() noexcept = default;
   explicit endpoint(gdr::detail::verbs::connection* c) noexcept : basic_endpoint<transport>(c) {}
 

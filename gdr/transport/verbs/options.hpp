@@ -62,6 +62,19 @@ struct endpoint_options {
   bool gpudirect = false;
   /// The GPU a zero-copy `Device` endpoint serves (CUDA device ordinal).
   int gpu = 0;
+  /// Direct one-sided operations (rma.hpp): a put, get or atomic into a
+  /// peer's memory exposed to this endpoint's NIC domain is posted by this
+  /// side's NIC on a queue pair of its own, with no action by the peer.
+  /// Off: every put, get and atomic is served by the peer's loop. Both
+  /// sides must have it on for either direction to be direct.
+  bool one_sided = true;
+  /// Direct operations in flight at most (more wait in order), and the
+  /// one-sided queue pair's send-queue entries.
+  std::uint32_t one_sided_depth = 64;
+  std::uint32_t one_sided_wrs = 256;
+  /// Receives posted for the peer's notifying puts (`put_notify`): more
+  /// notifications unread than this hold the peer's lane (RNR) until read.
+  std::uint32_t notify_depth = 64;
 };
 
 /// Memory of this side that a frame told the peer's NIC about: its address,
@@ -91,6 +104,10 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t keepalives = 0;      ///< keepalive probes sent
   std::uint64_t signaled_wrs = 0;    ///< send-queue work requests that asked for a completion
   std::uint64_t completions = 0;     ///< work completions of this connection (receives included)
+  std::uint64_t direct_wrs = 0;      ///< one-sided lane: WRITE, READ and atomic work requests posted
+  std::uint64_t direct_faults = 0;   ///< ... that the peer's NIC refused (remote access), each one operation failed
+  std::uint64_t lane_resets = 0;     ///< ... times the lane's queue pairs were made usable again after a fault
+  std::uint64_t notifications = 0;   ///< notifying puts of the peer's that arrived
 };
 
 }  // namespace gdr::verbs

@@ -80,6 +80,9 @@ inline void connection::rx_done(rx_slot& slot, const ibv_wc& wc) noexcept {
     credits_.peer_granted(w.credits);
     if (w.kind == wire_header::credit) {
       repost(slot.index);
+    } else if (w.kind == wire_header::lane) {
+      lane_control(w);  // out of band: the lane's state, not the engine's
+      repost(slot.index);
     } else {
       push_backlog({slot.index, wc.byte_len, 0, false});
     }

@@ -390,6 +390,7 @@ inline bool connection::post_sends(frame& f) noexcept {
 /// and nothing else carries them.
 inline void connection::maybe_send_credits() noexcept {
   if (!established_ || shut_ || failed()) return;
+  if (lane_ctl_due_ != 0) lane_send_control();
   // The next frame carries them if it has the credit to go.
   if (!credits_.credit_message_due(rx_n_, tx_.head != nullptr && credits_.can_consume(1))) return;
   if (!credits_.can_consume(1, true) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;

@@ -27,17 +27,24 @@ namespace gdr::detail::verbs {
 /// What each side tells the other in rdma_cm's private data.
 struct conn_params {
   std::uint32_t magic = 0x56524447u;  // "GDRV"
-  std::uint16_t version = 2;  // 2: puts and gets by RDMA READ and WRITE
+  std::uint16_t version = 3;  // 2: puts and gets by RDMA READ and WRITE; 3: the one-sided lane
   std::uint16_t flags = 0;    // flag_gpudirect
   std::uint32_t rx_depth = 0;
   std::uint32_t buffer_size = 0;
+  /// The one-sided lane (rma.hpp): this side's NIC domain (0: it exposes
+  /// nothing and posts nothing directly), and the queue pairs it initiates
+  /// on and is the target of.
+  std::uint32_t domain = 0;
+  std::uint32_t lane_init_qpn = 0;
+  std::uint32_t lane_target_qpn = 0;
+  std::uint32_t pad = 0;
 
   /// The endpoint moves `Device` memory with its NIC (GPUDirect). Both ends
   /// must agree: a staging end would send and want `Device` bytes through
   /// bounce buffers, which a GPUDirect end never copies.
   static constexpr std::uint16_t flag_gpudirect = 1;
 };
-static_assert(sizeof(conn_params) == 16);
+static_assert(sizeof(conn_params) == 32);
 
 /// Why two ends' parameters cannot make a connection (null: they can).
 inline const char* params_disagree(const conn_params& mine, const conn_params& peer) noexcept {
@@ -53,13 +60,17 @@ inline const char* params_disagree(const conn_params& mine, const conn_params& p
 }
 
 inline bool params_ok(const conn_params& p) noexcept {
-  return p.magic == 0x56524447u && p.version == 2 && p.rx_depth >= 2 && p.buffer_size >= 256;
+  return p.magic == 0x56524447u && p.version == 3 && p.rx_depth >= 2 && p.buffer_size >= 256 && p.pad == 0;
 }
 
 /// What starts every SEND (host byte order: both ends run this library on
 /// the same architecture).
 struct wire_header {
-  enum kind_t : std::uint8_t { frame = 1, cont = 2, credit = 3 };
+  /// `lane`: the one-sided lane's control (rma.hpp): `type` is
+  /// `lane_reset` or `lane_ready`, `id` the lane's generation.
+  enum kind_t : std::uint8_t { frame = 1, cont = 2, credit = 3, lane = 4 };
+  static constexpr std::uint8_t lane_reset = 1;
+  static constexpr std::uint8_t lane_ready = 2;
   std::uint8_t kind = 0;
   std::uint8_t type = 0;
   std::uint8_t status = 0;

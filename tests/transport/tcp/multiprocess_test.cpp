@@ -97,8 +97,8 @@ TEST_CASE("a forked peer process exchanges messages and serves put and get") {
     tcp::listener l(sched, "127.0.0.1:0");
     send_port(pipe_w, l.local_address().port());
     tcp::endpoint ep = co_await l.accept({10s});
-    std::array<std::byte, 40> wire{};
-    CHECK(co_await ep.recv(gdr::host_view(wire)) == 40);
+    std::array<std::byte, gdr::remote_view<std::uint32_t, gdr::Host>::wire_size> wire{};
+    CHECK(co_await ep.recv(gdr::host_view(wire)) == wire.size());
     auto window = gdr::remote_view<std::uint64_t, gdr::Host>::from_wire(wire);
     REQUIRE(window.has_value());
     CHECK(window->peer() == 1);
@@ -169,7 +169,7 @@ TEST_CASE("a peer killed mid-stream fails every pending operation with connectio
       tcp::listener l(sched, "127.0.0.1:0", gdr::default_registry(), opts);
       send_port(pipe_w, l.local_address().port());
       tcp::endpoint ep = co_await l.accept({10s});
-      std::array<std::byte, 40> wire{};
+      std::array<std::byte, gdr::remote_view<std::uint32_t, gdr::Host>::wire_size> wire{};
       co_await ep.recv(gdr::host_view(wire));
       auto window = gdr::remote_view<std::byte, gdr::Host>::from_wire(wire);
 
