@@ -20,7 +20,7 @@ set -uo pipefail
 bin=${1:?usage: verbs-vm.sh BAZEL_BIN}
 vm=${GDR_RXE_VM:-$(cd "$(dirname "$0")/.." && pwd)/tools/rxe/run-in-rxe-vm.sh}
 per_test=${GDR_VERBS_TEST_TIMEOUT:-150}
-tests=(tests/verbs/conformance_test tests/verbs/staged_test tests/verbs/transport_test tests/verbs/connect_test tests/verbs/credits_test tests/verbs/grants_test tests/verbs/memory_test tests/verbs/gate_test tests/verbs/flush_test tests/verbs/recv_test tests/verbs/peer_kill_test tests/verbs/probe_test tests/verbs/gpudirect_test tests/verbs/gpudirect_path_test tests/verbs/mesh_test tests/verbs/one_sided_test tests/verbs/one_sided_kill_test)
+tests=(tests/verbs/conformance_test tests/verbs/staged_test tests/verbs/transport_test tests/verbs/connect_test tests/verbs/credits_test tests/verbs/grants_test tests/verbs/memory_test tests/verbs/gate_test tests/verbs/flush_test tests/verbs/recv_test tests/verbs/peer_kill_test tests/verbs/probe_test tests/verbs/gpudirect_test tests/verbs/gpudirect_path_test tests/verbs/mesh_test tests/verbs/one_sided_test tests/verbs/one_sided_kill_test tests/stress/stress_verbs_test)
 
 out=$(mktemp -d /var/tmp/gdr-verbs-vm.XXXXXX)
 trap 'rm -rf "$out"' EXIT

@@ -36,6 +36,10 @@ for r in $(seq 1 $R); do
   echo "ib_write_lat $(pt ib_write_lat -s 8 -n 1000 | lat 8)"
   timeout 60 $B $IP get_lat 8 1000
   echo "ib_read_lat $(pt ib_read_lat -s 8 -n 1000 | lat 8)"
+  timeout 60 $B $IP atomic_lat 8 1000
+  echo "ib_atomic_lat $(pt ib_atomic_lat -n 1000 | lat 8)"
+  GDR_BENCH_CHECKED=1 timeout 60 $B $IP put_lat 8 1000
+  GDR_BENCH_CHECKED=1 timeout 60 $B $IP atomic_lat 8 1000
   timeout 120 $B $IP send_bw 65536 2000 $W
   echo "ib_write_bw $(pt ib_write_bw -s 65536 -n 2000 -t $W | bw 65536)"
   timeout 120 $B $IP put_bw 65536 2000 $W
@@ -43,6 +47,9 @@ for r in $(seq 1 $R); do
   timeout 120 $B $IP get_bw 65536 2000 $W
   echo "ib_read_bw $(pt ib_read_bw -s 65536 -n 2000 -t $W | bw 65536)"
   echo "ib_read_bw_R $(pt ib_read_bw -R -s 65536 -n 2000 -t $W | bw 65536)"
+  GDR_BENCH_CHECKED=1 timeout 120 $B $IP put_bw 65536 2000 $W
+  timeout 120 $B $IP batch_bw 16384 20 512
+  echo "ib_write_bw_16k $(pt ib_write_bw -s 16384 -n 10240 -t $W | bw 16384)"
 done
 GUEST
 chmod +x "$out/guest.sh"
@@ -54,7 +61,7 @@ vals = {}
 for line in open(sys.argv[1]):
     w = line.split()
     if not w or w[0].startswith('#'): continue
-    name = w[0] if w[0] != 'gdr-verbs' else 'gdr_' + w[1]
+    name = {'gdr-verbs': 'gdr_' + w[1], 'gdr-verbs-checked': 'checked_' + w[1]}.get(w[0], w[0])
     for kv in w[1:]:
         m = re.match(r'(typical_us|MBps)=([0-9.]+)$', kv)
         if m: vals.setdefault(name, []).append(float(m.group(2)))
@@ -63,17 +70,24 @@ def row(label, g, p, unit, goal, higher):
     if g not in med or p not in med:
         print(f"| {label} | {med.get(g, 'n/a')} | {med.get(p, 'n/a')} | - | {goal} | not measured |"); return
     r = med[g] / med[p]
-    met = r >= 0.9 if higher else r <= 1.1
-    print(f"| {label} | {med[g]:.2f} {unit} | {med[p]:.2f} {unit} | {r:.2f}x | {goal} | {'met' if met else 'not met'} |")
+    m = re.match(r'([<>]=) ([0-9.]+)x', goal)
+    status = '-' if not m else ('met' if (r >= float(m.group(2)) if m.group(1) == '>=' else r <= float(m.group(2))) else 'not met')
+    print(f"| {label} | {med[g]:.2f} {unit} | {med[p]:.2f} {unit} | {r:.2f}x | {goal} | {status} |")
 print("| measurement | gdr | perftest | ratio | goal | |")
 print("| --- | --- | --- | --- | --- | --- |")
-row("latency, 8 B send/recv vs ib_send_lat (t_typical, one-way)", 'gdr_send_lat', 'ib_send_lat', 'us', '<= 1.1x', False)
+row("latency, 8 B send/recv vs ib_send_lat (t_typical, one-way)", 'gdr_send_lat', 'ib_send_lat', 'us', '<= 1.3x', False)
 row("latency, 8 B put vs ib_write_lat (t_typical, one-way)", 'gdr_put_lat', 'ib_write_lat', 'us', '<= 1.1x', False)
 row("latency, 8 B get vs ib_read_lat (t_typical, round trip)", 'gdr_get_lat', 'ib_read_lat', 'us', '<= 1.1x', False)
+row("latency, 8 B fetch_add vs ib_atomic_lat (t_typical, round trip)", 'gdr_atomic_lat', 'ib_atomic_lat', 'us', '<= 1.1x', False)
+row("latency, 8 B put, checked mode (served) vs ib_write_lat", 'checked_put_lat', 'ib_write_lat', 'us', '(kept beside)', False)
+row("latency, 8 B fetch_add, checked mode (served) vs ib_atomic_lat", 'checked_atomic_lat', 'ib_atomic_lat', 'us', '(kept beside)', False)
 row(f"bandwidth, 64 KiB send/recv (RDMA WRITE) vs ib_write_bw, {window} in flight", 'gdr_send_bw', 'ib_write_bw', 'MiB/s', '>= 0.9x', True)
 row(f"bandwidth, 64 KiB put vs ib_write_bw -R, {window} in flight", 'gdr_put_bw', 'ib_write_bw_R', 'MiB/s', '>= 0.9x', True)
 row(f"bandwidth, 64 KiB get vs ib_read_bw, {window} in flight", 'gdr_get_bw', 'ib_read_bw', 'MiB/s', '>= 0.9x', True)
 row(f"bandwidth, 64 KiB get vs ib_read_bw -R, {window} in flight", 'gdr_get_bw', 'ib_read_bw_R', 'MiB/s', '>= 0.9x', True)
+row(f"bandwidth, 64 KiB put vs ib_write_bw, {window} in flight", 'gdr_put_bw', 'ib_write_bw', 'MiB/s', '>= 0.95x', True)
+row(f"bandwidth, 64 KiB put, checked mode (served) vs ib_write_bw -R", 'checked_put_bw', 'ib_write_bw_R', 'MiB/s', '(kept beside)', True)
+row("bandwidth, batches of 512 blocks of 16 KiB (put_batch, one at a time) vs ib_write_bw -s 16384", 'gdr_batch_bw', 'ib_write_bw_16k', 'MiB/s', '>= 0.9x', True)
 print("samples:", {k: v for k, v in vals.items()})
 PY
 rm -rf "$out"

@@ -9,9 +9,11 @@
 //   gdr-verbs send_bw  size=65536 iters=2000 window=128 MBps=...
 //   gdr-verbs put_bw   size=65536 iters=2000 window=128 MBps=...
 //   gdr-verbs get_bw   size=65536 iters=2000 window=128 MBps=...
+//   gdr-verbs atomic_lat size=8 iters=1000 typical_us=... avg_us=...
+//   gdr-verbs batch_bw size=16384 iters=20 window=512 MBps=...
 //
 //   verbs_bench IP MODE SIZE ITERS [WINDOW]
-//     MODE: send_lat | put_lat | get_lat | send_bw | put_bw | get_bw
+//     MODE: send_lat | put_lat | get_lat | atomic_lat | send_bw | put_bw | get_bw | batch_bw
 //     WINDOW: operations in flight in the *_bw modes (default 128, perftest's
 //     default --tx-depth for ib_write_bw and ib_read_bw)
 //
@@ -29,6 +31,13 @@
 //             has changed in its own memory) / 2: one-way.
 //   get_lat:  one get of SIZE bytes from the peer's registered memory, from
 //             its start to its completion: a full round trip, as ib_read_lat.
+//   atomic_lat: one fetch_add on an 8-byte word of the peer's registered
+//             memory, a full round trip, as ib_atomic_lat (SIZE is 8).
+// Puts, gets and atomics are direct (the initiator's NIC, RDMA WRITE, READ
+// and atomics into the memory the peer exposed: the view goes over whole,
+// with its NIC key) unless GDR_BENCH_CHECKED=1, which registers the memory
+// `exposure::checked`: every access is then served by the peer's loop (the
+// checked mode), as before the one-sided lane.
 // perftest's *_bw tools time the client from the first post to the last
 // completion, with up to --tx-depth (128) operations in flight, and report
 // "MB/sec" in MiB/s (2^20 bytes; --report_gbits says so). Here:
@@ -42,6 +51,10 @@
 //             flight; the server only serves (ib_write_bw -R).
 //   get_bw:   SIZE-byte gets from the server's registered memory, WINDOW in
 //             flight (ib_read_bw, ib_read_bw -R).
+//   batch_bw: ITERS batches, one at a time, of WINDOW blocks of SIZE bytes
+//             each (put_batch; block i goes to block (i * 37) % WINDOW of the
+//             server's pool): a KV-cache hand-off, against ib_write_bw moving
+//             the same bytes (-s SIZE -n ITERS*WINDOW).
 // MBps is SIZE x ITERS / seconds / 2^20, perftest's unit. Every operation of
 // a window shares one local buffer (one source for sends and puts, one
 // destination for gets; perftest's buffers are shared the same way), except
@@ -71,6 +84,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <coroutine>
 #include <cstdint>
@@ -169,7 +183,8 @@ stats summarize(std::vector<double> xs) {
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: %s IP send_lat|put_lat|get_lat|send_bw|put_bw|get_bw SIZE ITERS [WINDOW]\n",
+    std::fprintf(stderr,
+                 "usage: %s IP send_lat|put_lat|get_lat|atomic_lat|send_bw|put_bw|get_bw|batch_bw SIZE ITERS [WINDOW]\n",
                  argv[0]);
     return 2;
   }
@@ -177,8 +192,12 @@ int main(int argc, char** argv) {
   std::size_t size = std::strtoull(argv[3], nullptr, 10);
   int iters = std::atoi(argv[4]);
   int window = argc > 5 ? std::atoi(argv[5]) : 128;
-  bool lat = mode == "send_lat" || mode == "put_lat" || mode == "get_lat";
-  bool bw = mode == "send_bw" || mode == "put_bw" || mode == "get_bw";
+  bool lat = mode == "send_lat" || mode == "put_lat" || mode == "get_lat" || mode == "atomic_lat";
+  bool bw = mode == "send_bw" || mode == "put_bw" || mode == "get_bw" || mode == "batch_bw";
+  if (mode == "atomic_lat") size = 8;
+  const bool batch = mode == "batch_bw";
+  const char* checked_env = std::getenv("GDR_BENCH_CHECKED");
+  const bool checked = checked_env != nullptr && std::strcmp(checked_env, "1") == 0;
   if ((!lat && !bw) || size == 0 || iters < 2 || window < 1) {
     std::fprintf(stderr, "verbs_bench: bad arguments (MODE %s, SIZE >= 1, ITERS >= 2, WINDOW >= 1)\n", mode.c_str());
     return 2;
@@ -192,7 +211,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "verbs_bench: GDR_BENCH_GPUDIRECT=1 measures send_lat and send_bw only\n");
     return 2;
   }
-  const char* label = gd ? "gdr-verbs-gpudirect" : "gdr-verbs";
+  const char* label = gd ? "gdr-verbs-gpudirect" : checked ? "gdr-verbs-checked" : "gdr-verbs";
   if (gd) {
     gdr::verbs::testing::stand_in_host_memory_for_device(true);
     eo.gpudirect = true;
@@ -202,8 +221,10 @@ int main(int argc, char** argv) {
   // default policy instead (every transfer registers its memory anew).
   const char* cache_env = std::getenv("GDR_BENCH_CACHE");
   eo.cache_registrations = cache_env == nullptr || std::strcmp(cache_env, "0") != 0;
-  eo.tx_depth = std::max<unsigned>(eo.tx_depth, static_cast<unsigned>(window));
-  eo.rx_depth = std::max<unsigned>(eo.rx_depth, static_cast<unsigned>(window));
+  eo.tx_depth = std::max<unsigned>(eo.tx_depth, static_cast<unsigned>(batch ? 64 : window));
+  eo.rx_depth = std::max<unsigned>(eo.rx_depth, static_cast<unsigned>(batch ? 64 : window));
+  eo.one_sided_depth = std::max<unsigned>(eo.one_sided_depth, static_cast<unsigned>(window));
+  eo.one_sided_wrs = std::max<unsigned>(eo.one_sided_wrs, 2u * static_cast<unsigned>(window));
   int ctl[2];
   if (::pipe(ctl) != 0) return 1;
   pid_t child = ::fork();
@@ -215,9 +236,11 @@ int main(int argc, char** argv) {
     gdr::sync_wait(sched, [&]() -> gdr::task<> {
       gdr::verbs::endpoint ep;
       std::string addr = ip + ":" + std::to_string(port);
-      // Each side's memory the other may put into and get from.
-      bytes target(size);
-      auto reg = gdr::register_memory(gdr::host_view(target));
+      // Each side's memory the other may put into and get from (a pool of
+      // WINDOW blocks for batch_bw).
+      bytes target(batch ? size * static_cast<std::size_t>(window) : size);
+      auto reg = gdr::register_memory(gdr::host_view(target), gdr::access::read_write,
+                                      checked ? gdr::exposure::checked : gdr::exposure::nic);
       if (server) {
         gdr::verbs::listener l(sched, addr, gdr::default_registry(), eo);
         char c = 1;
@@ -240,20 +263,27 @@ int main(int argc, char** argv) {
           co_await gdr::sleep_for(sched, std::chrono::milliseconds(20));
         }
       }
-      // Tell each other where to put and get.
-      std::uint64_t mine[3] = {reg.describe(0).address(), reg.describe(0).size(), reg.key()}, theirs[3] = {};
-      co_await ctl_send(ep, mine, sizeof mine);
-      co_await ctl_recv(ep, theirs, sizeof theirs);
-      remote peer(theirs[0], theirs[1], theirs[2], 0);
-      bytes buf(size, std::byte{1});
+      // Tell each other where to put and get: the whole view, with its NIC
+      // key (none when checked).
+      auto mine = reg.describe(0).to_wire();
+      std::array<std::byte, remote::wire_size> theirs{};
+      co_await ctl_send(ep, mine.data(), mine.size());
+      co_await ctl_recv(ep, theirs.data(), theirs.size());
+      remote peer = remote::from_wire(theirs).value();
+      bytes buf(target.size(), std::byte{1});
+      using word_view = gdr::remote_view<std::uint64_t, gdr::Host>;
+      word_view word(peer.address(), 1, peer.key(), 0, peer.nic_keys());
+      std::vector<gdr::block> blocks;
+      for (std::size_t i = 0; batch && i < static_cast<std::size_t>(window); ++i)
+        blocks.push_back({i * size, ((i * 37) % static_cast<std::size_t>(window)) * size, size});
       std::byte flag{};  // ready / done
 
       if (lat) {
         std::vector<double> samples;
         samples.reserve(static_cast<std::size_t>(iters));
         int warm = std::min(100, iters / 10);
-        // get_lat: the server only serves (until the client's done).
-        int rounds = server && mode == "get_lat" ? 0 : warm + iters;
+        // get_lat, atomic_lat: the server only serves (until the client's done).
+        int rounds = server && (mode == "get_lat" || mode == "atomic_lat") ? 0 : warm + iters;
         for (int i = 0; i < rounds; ++i) {
           auto t0 = clk::now();
           double div = 2;  // ping-pongs: one-way = round trip / 2
@@ -278,6 +308,9 @@ int main(int argc, char** argv) {
                       ep, buf, peer),
                   wait_last_byte(sched, target, mark(i)));
             }
+          } else if (mode == "atomic_lat") {
+            div = 1;  // a round trip, as ib_atomic_lat reports it
+            (void)co_await ep.fetch_add(word, 1);
           } else {
             div = 1;  // a get is a round trip, as ib_read_lat reports it
             co_await ep.get(v(buf), peer);
@@ -299,7 +332,8 @@ int main(int argc, char** argv) {
         };
         auto put_op = [&](int) { return ep.put(v(buf), peer); };
         auto get_op = [&](int) { return ep.get(v(buf), peer); };
-        int warm = std::min(iters, mode == "send_bw" ? recv_window : window);
+        auto batch_op = [&](int) { return ep.put_batch(v(buf), peer, blocks); };
+        int warm = batch ? 2 : std::min(iters, mode == "send_bw" ? recv_window : window);
         if (server) {
           if (mode == "send_bw") {
             co_await sliding_window(warm, recv_window, recv_op);
@@ -314,15 +348,18 @@ int main(int argc, char** argv) {
         } else {
           if (mode == "send_bw") co_await sliding_window(warm, window, send_op);
           else if (mode == "put_bw") co_await sliding_window(warm, window, put_op);
+          else if (batch) co_await sliding_window(warm, 1, batch_op);
           else co_await sliding_window(warm, window, get_op);
           co_await ctl_recv(ep, &flag, 1);  // ready
           auto t0 = clk::now();
           if (mode == "send_bw") co_await sliding_window(iters, window, send_op);
           else if (mode == "put_bw") co_await sliding_window(iters, window, put_op);
+          else if (batch) co_await sliding_window(iters, 1, batch_op);  // one batch at a time
           else co_await sliding_window(iters, window, get_op);
           double secs = std::chrono::duration<double>(clk::now() - t0).count();
+          const double moved = static_cast<double>(size) * iters * (batch ? window : 1);
           std::printf("%s %s size=%zu iters=%d window=%d MBps=%.2f\n", label, mode.c_str(), size, iters, window,
-                      static_cast<double>(size) * iters / secs / (1024.0 * 1024.0));
+                      moved / secs / (1024.0 * 1024.0));
         }
       }
       // Both sides finish together: the client's done after its last

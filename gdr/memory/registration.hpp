@@ -60,6 +60,7 @@
 /// resumes its coroutine on the scheduler it was awaited on.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cassert>
 #include <coroutine>
@@ -388,17 +389,21 @@ class memory_registry {
   /// A registration `d` cannot reach (GPU memory on a domain without
   /// GPUDirect) stays unexposed there. Idempotent. The domain must call
   /// `detach` before it goes.
+  /// Attaching again exposes what is not yet exposed there (GPU memory, once
+  /// the domain has learnt how to reach it).
   void attach(nic_domain& d) noexcept {
     std::unique_lock lock(mu_);
-    for (nic_domain* x : domains_)
-      if (x == &d) return;
-    try {
-      domains_.push_back(&d);
-    } catch (...) {
-      return;  // not exposed there: its views carry no key of it
+    if (std::find(domains_.begin(), domains_.end(), &d) == domains_.end()) {
+      try {
+        domains_.push_back(&d);
+      } catch (...) {
+        return;  // not exposed there: its views carry no key of it
+      }
     }
     for (auto& [k, r] : live_) {
-      if (!r.nic) continue;
+      if (!r.nic || std::any_of(r.exposures.begin(), r.exposures.end(),
+                                [&](const detail::nic_exposure& x) { return x.domain == &d; }))
+        continue;
       if (std::error_code ec = expose_in(r, d); ec && ec != make_error_code(errc::unsupported))
         gdr::detail::log("memory", "a registration of %zu bytes could not be exposed to a NIC: %s", r.bytes,
                          ec.message().c_str());

@@ -104,7 +104,10 @@ inline void check_outcome(const plan& p, const run_record& rr, const op_record& 
     // (Shared memory copies every host payload through its rings.)
     const bool shm = p.transport == transport_kind::shm || p.transport == transport_kind::shm_kill || ipc;
     const gdr::transfer_path bulk = shm ? gdr::transfer_path::shared_memory : gdr::transfer_path::host_zero_copy;
-    if (o.kind != op_kind::close && !dev && o.rep.path != bulk &&
+    // (Verbs moves puts and gets into exposed host memory with the NIC.)
+    const bool direct = p.transport == transport_kind::verbs && (o.kind == op_kind::put || o.kind == op_kind::get) &&
+                        o.rep.path == gdr::transfer_path::one_sided_rdma;
+    if (o.kind != op_kind::close && !dev && !direct && o.rep.path != bulk &&
         o.rep.path != gdr::transfer_path::host_eager && o.rep.path != device_path)
       bad("report", strf("host memory, path %s", gdr::to_string(o.rep.path)));
   } else if (is(e, gdr::errc::cancelled)) {

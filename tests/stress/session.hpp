@@ -282,14 +282,21 @@ class session {
     }
     const int g = o.kind == op_kind::get ? 1 : 0;
     const std::uint64_t salt = o.bad_key ? 0x5a5a5a5a5a5a5a5aull : 0;
+    // A wrong key is wrong for the owner's loop and its NIC alike (a view
+    // with a NIC key goes to the NIC on verbs: a direct operation).
+    auto forge = [&](std::array<std::uint64_t, 2> nic) {
+      for (auto& k : nic)
+        if (k != 0) k ^= salt & 0xffffffffull;
+      return nic;
+    };
     if (o.remote == space::host) {
       auto r = me.peer_host[g].subview(o.offset, o.size);
-      r = gdr::remote_view<std::byte, gdr::Host>(r.address(), r.size(), r.key() ^ salt, r.peer());
+      r = gdr::remote_view<std::byte, gdr::Host>(r.address(), r.size(), r.key() ^ salt, r.peer(), forge(r.nic_keys()));
       if (g == 0) return dev ? me.ep.put(o.buf->device_view(), r, std::move(opts)) : me.ep.put(o.buf->host_view(), r, std::move(opts));
       return dev ? me.ep.get(o.buf->device_view(), r, std::move(opts)) : me.ep.get(o.buf->host_view(), r, std::move(opts));
     }
     auto r = me.peer_dev[g].subview(o.offset, o.size);
-    r = gdr::remote_view<std::byte, gdr::Device>(r.address(), r.size(), r.key() ^ salt, r.peer());
+    r = gdr::remote_view<std::byte, gdr::Device>(r.address(), r.size(), r.key() ^ salt, r.peer(), forge(r.nic_keys()));
     if (g == 0) return dev ? me.ep.put(o.buf->device_view(), r, std::move(opts)) : me.ep.put(o.buf->host_view(), r, std::move(opts));
     return dev ? me.ep.get(o.buf->device_view(), r, std::move(opts)) : me.ep.get(o.buf->host_view(), r, std::move(opts));
   }

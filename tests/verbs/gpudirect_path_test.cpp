@@ -250,6 +250,53 @@ TEST_CASE("puts and gets between host and Device memory, small and large, move b
   });
 }
 
+TEST_CASE("direct puts and gets into exposed Device memory move by the initiator's NIC, the owner serving nothing") {
+  REQUIRE_VERBS();
+  stand_in s;
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    const std::size_t max = 2 * 1024 * 1024 + 9;
+    nic_memory exposed(2 * max), local(max);
+    std::vector<std::byte> hexposed(max);
+    // Exposed to the NIC (the default): GPU memory through the GPUDirect route.
+    auto dreg = gdr::register_memory(exposed.device());
+    auto drv = dreg.describe(0);
+    auto hreg = gdr::register_memory(host(hexposed));
+    auto hrv = hreg.describe(0);
+    CHECK(drv.nic_exposed());
+    CHECK(hrv.nic_exposed());
+    const auto served_before = b.stats().served_puts + b.stats().served_gets;
+    for (std::size_t n : {std::size_t{8}, std::size_t{5000}, max}) {
+      CAPTURE(n);
+      auto h = pattern(n, static_cast<std::uint32_t>(n));
+      fill(local.data(), n, static_cast<std::uint32_t>(n) + 1);
+      auto lcopy = std::vector<std::byte>(local.data(), local.data() + n);
+      exposed.lock();
+      local.lock();  // the CPU may touch neither: only the NICs do
+      auto p1 = co_await report_of(a.put(host(h), drv));
+      std::vector<std::byte> back(n);
+      auto g1 = co_await report_of(a.get(host(back), drv));
+      auto p2 = co_await report_of(a.put(local.device(n), hrv));
+      auto g2 = co_await report_of(a.get(local.device(n, max - n), hrv));
+      auto p3 = co_await report_of(a.put(local.device(n), drv.subview(max, n)));
+      exposed.unlock();
+      local.unlock();
+      for (auto* r : {&p1, &g1, &p2, &g2, &p3}) {
+        CHECK(!r->error);
+        CHECK(r->bytes == n);
+        CHECK(r->path == gdr::transfer_path::gpudirect_rdma);
+      }
+      CHECK(same(exposed.data(), h.data(), n));
+      CHECK(back == h);
+      CHECK(same(hexposed.data(), lcopy.data(), n));
+      CHECK(same(local.data() + (max - n), lcopy.data(), n));
+      CHECK(same(exposed.data() + max, lcopy.data(), n));
+    }
+    CHECK(b.stats().served_puts + b.stats().served_gets == served_before);  // b's loop took no part
+    CHECK(a.stats().direct_wrs > 0);
+    co_await a.close();
+  });
+}
+
 TEST_CASE("both ends must be GPUDirect endpoints, or neither: both sides say why") {
   REQUIRE_VERBS();
   stand_in s;

@@ -126,8 +126,12 @@ inline bool engine::launch(op& o) noexcept {
     }
     case op::kind::put:
     case op::kind::get: {
-      // A view the peer's NIC serves: this side's NIC moves it.
-      if (direct_domain_ != 0 && !o.staged() && (o.flush_ || o.nic_key(direct_domain_) != 0)) return launch_direct(o);
+      // A view the peer's NIC serves: this side's NIC moves it. (Not an
+      // empty put or get: a NIC checks no key for zero bytes, the owner
+      // does, so a wrong key is refused either way.)
+      if (direct_domain_ != 0 && !o.staged() &&
+          (o.flush_ || (o.nic_key(direct_domain_) != 0 && (o.size_ != 0 || o.batch_ != nullptr))))
+        return launch_direct(o);
       if (o.flush_) return false;  // nothing of this side's is in flight without the peer knowing it
       if (o.batch_ != nullptr || o.notifies()) {
         o.ec_ = errc::unsupported;

@@ -128,6 +128,9 @@ struct device_queue {
   /// The protection domain as a NIC domain registries are exposed in
   /// (domain.hpp).
   std::unique_ptr<pd_domain> domain;
+  /// Work objects of connections gone whose (empty) receives may still
+  /// complete on this queue (rma.hpp, `lane_teardown`).
+  std::vector<std::shared_ptr<void>> orphans;
 };
 
 namespace detail {

@@ -234,18 +234,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     return id_ != nullptr && id_->verbs != nullptr ? ibv_get_device_name(id_->verbs->device) : "";
   }
 
-  std::string peer_name() const override {
-    if (id_ == nullptr) return "(closed)";
-    sockaddr* a = rdma_get_peer_addr(id_);
-    char ip[INET6_ADDRSTRLEN] = "?";
-    unsigned port = ntohs(rdma_get_dst_port(id_));
-    if (a->sa_family == AF_INET) {
-      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a)->sin_addr, ip, sizeof ip);
-      return std::string(ip) + ":" + std::to_string(port);
-    }
-    ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a)->sin6_addr, ip, sizeof ip);
-    return "[" + std::string(ip) + "]:" + std::to_string(port);
-  }
+  std::string peer_name() const override;
 
  private:
   // ---------------------------------------------------------------- slots
@@ -559,8 +548,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   bool link_quiet() const noexcept override {
     return rx_outstanding_ == 0 && sq_used_ == 0 && tx_busy_ == 0 && !cm_watch_in_flight_ && !kick_posted_ &&
-           dropped_.empty() && copied_.empty() && !gate_.in_flight() && lane_out_ == 0 && lane_rx_out_ == 0 &&
-           !lane_marker_.posted;
+           dropped_.empty() && copied_.empty() && !gate_.in_flight() && lane_out_ == 0 && !lane_marker_.posted &&
+           (shut_ || lane_rx_out_ == 0);  // (the lane's receives hold no memory: see lane_teardown)
   }
 
   void link_release() noexcept override {}

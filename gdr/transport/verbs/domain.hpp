@@ -25,6 +25,7 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +34,7 @@
 
 #include <gdr/error.hpp>
 #include <gdr/memory/registration.hpp>
+#include <gdr/transport/verbs/memory.hpp>
 
 namespace gdr::verbs {
 
@@ -56,30 +58,46 @@ class pd_domain final : public gdr::nic_domain {
     for (memory_registry* r : regs) r->detach(*this);
   }
 
-  /// Exposes `r` here (idempotent).
+  /// Exposes `r` here (again: what it could not expose before, e.g. GPU
+  /// memory once a GPUDirect endpoint has set the route).
   void attach(memory_registry& r) noexcept {
     {
       std::lock_guard lock(mu_);
-      if (std::find(attached_.begin(), attached_.end(), &r) != attached_.end()) return;
-      try {
-        attached_.push_back(&r);
-      } catch (...) {
-        return;
+      if (std::find(attached_.begin(), attached_.end(), &r) == attached_.end()) {
+        try {
+          attached_.push_back(&r);
+        } catch (...) {
+          return;
+        }
       }
     }
     r.attach(*this);
   }
+
+  /// GPU memory is exposed too, by `route` (a GPUDirect endpoint's probe
+  /// found it: dma-buf, nvidia-peermem, or the test stand-in); until then a
+  /// `Device` registration is served by the owner.
+  void set_device_route(mr_route route) noexcept { device_route_.store(static_cast<int>(route)); }
 
   ibv_pd* pd() const noexcept { return pd_; }
 
   std::uint32_t domain_id() const noexcept override { return id_; }
 
   result<exposed> expose(std::uintptr_t addr, std::size_t len, access a, int device) noexcept override {
-    if (device >= 0) return errc::unsupported;  // GPU memory: served (staged or GPUDirect by the owner's loop)
     int flags = 0;
     if (allows(a, access::read)) flags |= IBV_ACCESS_REMOTE_READ;
     if (allows(a, access::write)) flags |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
     if (a == access::read_write) flags |= IBV_ACCESS_REMOTE_ATOMIC;
+    if (device >= 0) {
+      // GPU memory: only through GPUDirect's route (else served: staged, or
+      // moved by the owner's NIC on its own GPUDirect endpoint).
+      const int route = device_route_.load();
+      if (route < 0) return errc::unsupported;
+      mr_backend b{pd_, flags & ~IBV_ACCESS_REMOTE_ATOMIC, static_cast<mr_route>(route)};
+      result<ibv_mr*> mr = b.register_range(addr, len);
+      if (!mr) return mr.error();
+      return exposed{*mr, (*mr)->rkey};
+    }
     errno = 0;
     ibv_mr* mr = ibv_reg_mr(pd_, reinterpret_cast<void*>(addr), len, flags);
     if (mr == nullptr) return errno_code(errno != 0 ? errno : EINVAL);
@@ -98,6 +116,7 @@ class pd_domain final : public gdr::nic_domain {
  private:
   ibv_pd* pd_;
   std::uint32_t id_ = 0;
+  std::atomic<int> device_route_{-1};  // an mr_route, or -1: GPU memory is not exposed
   std::mutex mu_;
   std::vector<memory_registry*> attached_;
 };

@@ -20,6 +20,19 @@
 
 namespace gdr::detail::verbs {
 
+inline std::string connection::peer_name() const {
+  if (id_ == nullptr) return "(closed)";
+  sockaddr* a = rdma_get_peer_addr(id_);
+  char ip[INET6_ADDRSTRLEN] = "?";
+  unsigned port = ntohs(rdma_get_dst_port(id_));
+  if (a->sa_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a)->sin_addr, ip, sizeof ip);
+    return std::string(ip) + ":" + std::to_string(port);
+  }
+  ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a)->sin6_addr, ip, sizeof ip);
+  return "[" + std::string(ip) + "]:" + std::to_string(port);
+}
+
 inline void connection::on_tick() noexcept { keepalive_tick(); }
 
 inline void connection::on_qp_event(ibv_event_type type) noexcept {

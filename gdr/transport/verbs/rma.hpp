@@ -116,11 +116,27 @@ inline void connection::lane_setup() {
   lane_target_ = lane_make_qp(0, lane_rx_n_);
   if (lane_target_ == nullptr) throw gdr::error(errno_code(errno), "gdr::verbs: ibv_create_qp (one-sided lane)");
   poller_->watch_qp(dq_, lane_target_, &lane_sink_);
+  if (gpudirect_ != nullptr) dq_->domain->set_device_route(gdr::verbs::route_of(*gpudirect_));
   dq_->domain->attach(*lane_registry_);
 }
 
 inline void connection::lane_teardown() noexcept {
-  assert(lane_out_ == 0 && lane_rx_out_ == 0);
+  assert(lane_out_ == 0);
+  if (lane_rx_out_ != 0 && dq_ != nullptr) {
+    // Receives not yet flushed back (Soft-RoCE on Linux 6.1 may never flush
+    // the receive queue of a queue pair in the error state). They hold no
+    // memory; their work objects stay with the device's queue, which
+    // outlives every completion of it, and ignore what comes.
+    for (std::uint32_t i = 0; i < lane_rx_n_; ++i) lane_rx_[i].c = nullptr;
+    try {
+      dq_->orphans.push_back(std::shared_ptr<void>(lane_rx_.release(), [](void* p) {
+        delete[] static_cast<lane_rx*>(p);
+      }));
+    } catch (...) {
+      (void)lane_rx_.release();  // leaked rather than freed under the NIC
+    }
+    lane_rx_out_ = 0;
+  }
   for (ibv_qp** qp : {&lane_init_, &lane_target_}) {
     if (*qp == nullptr) continue;
     if (dq_ != nullptr) poller_->unwatch_qp(dq_, *qp);
@@ -647,6 +663,7 @@ inline void connection::lane_send_control() noexcept {
 inline void connection::on_lane_rx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
   auto* r = static_cast<lane_rx*>(w);
   connection* c = r->c;
+  if (c == nullptr) return;  // its connection is gone (lane_teardown)
   proto::event_scope ev(*c);
   c->lane_rx_done(*r, wc);
   c->on_io_done();
