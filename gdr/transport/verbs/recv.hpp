@@ -53,6 +53,7 @@ inline void connection::repost(std::uint32_t i) noexcept {
 inline void connection::on_rx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
   auto* slot = static_cast<rx_slot*>(w);
   connection* c = slot->c;
+  if (c == nullptr) return;  // its connection is gone (teardown)
   proto::event_scope ev(*c);  // its end may free c
   c->rx_done(*slot, wc);
   c->on_io_done();
@@ -89,6 +90,19 @@ inline void connection::rx_done(rx_slot& slot, const ibv_wc& wc) noexcept {
   }
   parse();
   pump_tx();
+}
+
+/// Teardown: receives a device never flushed back (see link_quiet). The
+/// queue pair is gone, so nothing writes their buffers; their work objects
+/// stay with the device's queue for a completion still to come.
+inline void connection::orphan_receives() noexcept {
+  if (rx_outstanding_ == 0 || dq_ == nullptr || !rx_slots_) return;
+  for (std::uint32_t i = 0; i < rx_n_; ++i) rx_slots_[i].c = nullptr;
+  try {
+    dq_->orphans.push_back(std::shared_ptr<void>(rx_slots_.release(), [](void* p) { delete[] static_cast<rx_slot*>(p); }));
+  } catch (...) {
+    (void)rx_slots_.release();  // leaked rather than freed under a completion
+  }
 }
 
 inline void connection::push_backlog(rx_item it) noexcept {
