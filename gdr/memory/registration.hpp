@@ -372,7 +372,9 @@ class memory_registry {
     if (std::error_code ec = expose_all(it->second)) {
       withdraw_all(it->second);
       live_.erase(it);
-      throw error(ec, "gdr::register_memory: the NIC refused the registration (ibv_reg_mr)");
+      throw error(ec, "gdr::register_memory: the NIC refused to register the memory for peers' direct access "
+                      "(ibv_reg_mr; a low RLIMIT_MEMLOCK is the usual cause). Raise the limit, or register it with "
+                      "gdr::exposure::checked: every access is then served by this process's loop");
     }
     try {
       by_base_.emplace(it->second.base, &it->second);
