@@ -615,6 +615,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   bool post_send_wrs(ibv_send_wr* wrs, int n, tx_slot* t) noexcept;
   bool post_sends(frame& f) noexcept;
   void maybe_send_credits() noexcept;
+  bool post_header(wire_header w, bool signal) noexcept;
   static void on_tx(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
   void tx_done(tx_slot& t, const ibv_wc& wc) noexcept;
 

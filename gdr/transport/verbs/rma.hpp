@@ -633,7 +633,6 @@ inline void connection::lane_try_target_reset() noexcept {
 inline void connection::lane_send_control() noexcept {
   if (lane_ctl_due_ == 0 || !established_ || shut_ || failed()) return;
   if (!credits_.can_consume(1) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
-  tx_slot* t = take_tx();
   wire_header w;
   w.kind = wire_header::lane;
   // The answer to the peer's reset first (the peer's lane waits for it).
@@ -641,21 +640,7 @@ inline void connection::lane_send_control() noexcept {
   w.type = ready ? wire_header::lane_ready : wire_header::lane_reset;
   w.id = ready ? lane_peer_gen_ : lane_gen_;
   lane_ctl_due_ &= static_cast<std::uint8_t>(~(ready ? lane_ctl_ready : lane_ctl_reset));
-  w.credits = credits_.grant();
-  std::memcpy(t->buf, &w, wire_size);
-  ibv_sge sge{};
-  sge.addr = reinterpret_cast<std::uintptr_t>(t->buf);
-  sge.length = static_cast<std::uint32_t>(wire_size);
-  sge.lkey = tx_mr_.lkey();
-  ibv_send_wr wr{};
-  wr.opcode = IBV_WR_SEND;
-  const bool inlined = wire_size <= max_inline_;
-  wr.send_flags = IBV_SEND_SIGNALED | (inlined ? IBV_SEND_INLINE : 0);
-  signal_next(1, true, inlined);
-  wr.wr_id = t->wr_id();
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  if (post_send_wrs(&wr, 1, t) && lane_ctl_due_ != 0) lane_send_control();  // the other one, if due
+  if (post_header(w, true) && lane_ctl_due_ != 0) lane_send_control();  // the other one, if due
 }
 
 // ---------------------------------------------------------------- the target side: notifications

@@ -394,9 +394,17 @@ inline void connection::maybe_send_credits() noexcept {
   // The next frame carries them if it has the credit to go.
   if (!credits_.credit_message_due(rx_n_, tx_.head != nullptr && credits_.can_consume(1))) return;
   if (!credits_.can_consume(1, true) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
-  tx_slot* t = take_tx();
   wire_header w;
   w.kind = wire_header::credit;
+  if (!post_header(w, false)) return;
+  ++stats_.credit_messages;
+}
+
+/// Posts a SEND of header `w` alone, carrying the credits owed, from a free
+/// send slot (the caller checked the room and the peer's credit).
+/// `signal`: signalled always, else when `signal_next` says.
+inline bool connection::post_header(wire_header w, bool signal) noexcept {
+  tx_slot* t = take_tx();
   w.credits = credits_.grant();
   std::memcpy(t->buf, &w, wire_size);
   ibv_sge sge{};
@@ -406,13 +414,12 @@ inline void connection::maybe_send_credits() noexcept {
   ibv_send_wr wr{};
   wr.opcode = IBV_WR_SEND;
   const bool inlined = wire_size <= max_inline_;
-  const bool signaled = signal_next(1, false, inlined);
+  const bool signaled = signal_next(1, signal, inlined);
   wr.send_flags = (signaled ? IBV_SEND_SIGNALED : 0) | (inlined ? IBV_SEND_INLINE : 0);
   wr.wr_id = signaled ? t->wr_id() : gdr::verbs::unsignaled_work()->wr_id();
   wr.sg_list = &sge;
   wr.num_sge = 1;
-  if (!post_send_wrs(&wr, 1, t)) return;
-  ++stats_.credit_messages;
+  return post_send_wrs(&wr, 1, t);
 }
 
 inline void connection::on_tx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
