@@ -1,7 +1,14 @@
 // cuda_ipc_bench: what gdr's CUDA IPC mapping cache costs (gdr/cuda/ipc.hpp),
 // beside the raw driver calls, in the same run.
 //
-//   cuda_ipc_bench [--allocs N] [--size BYTES] [--hits N]
+//   cuda_ipc_bench [--allocs N] [--size BYTES] [--hits N] [--vmm]
+//
+// --vmm: the owner allocates as gdr::buffer<Device> does from 1 MiB (the
+// virtual memory API, gdr/cuda/vmm.hpp) and passes each allocation's file
+// descriptor over a Unix socket, as the shared-memory transport does; the
+// raw half then maps them with the driver's calls alone (import, reserve,
+// map, grant access), and each hit also closes the descriptor that came
+// with its message, as the transport's importer does.
 //
 // A child process (forked before CUDA is initialised here) allocates N
 // device buffers and exports them; the parent
@@ -12,6 +19,7 @@
 //   * looks up an open allocation again and again (a cache hit: what every
 //     copy after the first pays), timing acquire + release per hit.
 // Goals (the CUDA IPC issue): first import <= 0.3 ms, hit < 1 us.
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,14 +42,38 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-bool read_all(int fd, void* p, std::size_t n) {
-  auto* b = static_cast<char*>(p);
-  while (n != 0) {
-    ssize_t k = ::read(fd, b, n);
-    if (k <= 0) return false;
-    b += k;
-    n -= static_cast<std::size_t>(k);
+/// Sends `m` and, when it has one, its descriptor.
+bool send_memory(int sock, const gdr::copy_engine::ipc_memory& m) {
+  iovec iov{const_cast<gdr::copy_engine::ipc_memory*>(&m), sizeof m};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))]{};
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  if (m.fd >= 0) {
+    h.msg_control = ctl;
+    h.msg_controllen = sizeof ctl;
+    cmsghdr* c = CMSG_FIRSTHDR(&h);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &m.fd, sizeof m.fd);
   }
+  return ::sendmsg(sock, &h, 0) == static_cast<ssize_t>(sizeof m);
+}
+
+/// Receives one `send_memory` (the descriptor, if any, in `m.fd`).
+bool recv_memory(int sock, gdr::copy_engine::ipc_memory& m) {
+  iovec iov{&m, sizeof m};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))]{};
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  h.msg_control = ctl;
+  h.msg_controllen = sizeof ctl;
+  if (::recvmsg(sock, &h, MSG_WAITALL) != static_cast<ssize_t>(sizeof m)) return false;
+  m.fd = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&h); c != nullptr; c = CMSG_NXTHDR(&h, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&m.fd, CMSG_DATA(c), sizeof m.fd);
   return true;
 }
 
@@ -51,15 +83,18 @@ int main(int argc, char** argv) {
   int allocs = 16;
   std::size_t size = std::size_t{4} << 20;
   long hits = 200000;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool vmm = false;
+  for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--allocs") allocs = std::atoi(argv[i + 1]);
-    else if (a == "--size") size = std::strtoull(argv[i + 1], nullptr, 10);
-    else if (a == "--hits") hits = std::atol(argv[i + 1]);
+    if (a == "--vmm") vmm = true;
+    else if (i + 1 >= argc) break;
+    else if (a == "--allocs") allocs = std::atoi(argv[++i]);
+    else if (a == "--size") size = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--hits") hits = std::atol(argv[++i]);
   }
   using memory = gdr::copy_engine::ipc_memory;
   int to_parent[2], to_child[2];
-  if (::pipe(to_parent) != 0 || ::pipe(to_child) != 0) return 1;
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, to_parent) != 0 || ::pipe(to_child) != 0) return 1;
   pid_t c = ::fork();
   if (c == 0) {
     // The owner: 2N allocations exported (the first N for gdr's cache, the
@@ -68,7 +103,13 @@ int main(int argc, char** argv) {
     std::vector<void*> bufs;
     for (int i = 0; i < 2 * allocs; ++i) {
       void* p = nullptr;
-      if (cudaMalloc(&p, size) != cudaSuccess) std::_Exit(2);
+      if (vmm) {
+        auto b = gdr::cuda::vmm_registry::instance().allocate(size, 0);
+        if (!b) std::_Exit(2);
+        p = reinterpret_cast<void*>(b->base);
+      } else if (cudaMalloc(&p, size) != cudaSuccess) {
+        std::_Exit(2);
+      }
       bufs.push_back(p);
       memory m;
       std::uint64_t off = 0;
@@ -77,16 +118,19 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "export failed: %s\n", why != nullptr ? why : "?");
         std::_Exit(3);
       }
-      if (::write(to_parent[1], &m, sizeof m) != static_cast<ssize_t>(sizeof m)) std::_Exit(4);
+      if (!send_memory(to_parent[1], m)) std::_Exit(4);
     }
     char done = 0;
-    (void)::read(to_child[0], &done, 1);
-    for (void* p : bufs) (void)cudaFree(p);
+    if (::read(to_child[0], &done, 1) < 0) std::_Exit(5);
+    for (void* p : bufs) {
+      if (vmm) gdr::cuda::vmm_registry::instance().free(p);
+      else (void)cudaFree(p);
+    }
     std::_Exit(0);
   }
   std::vector<memory> ms(static_cast<std::size_t>(2 * allocs));
   for (auto& m : ms)
-    if (!read_all(to_parent[0], &m, sizeof m)) {
+    if (!recv_memory(to_parent[0], m)) {
       std::fprintf(stderr, "the owner process failed (no GPU?)\n");
       return 1;
     }
@@ -96,7 +140,7 @@ int main(int argc, char** argv) {
   std::vector<double> gdr_first, raw_first;
   std::vector<gdr::cuda::ipc_share::entry*> held;
   for (int i = 0; i < allocs; ++i) {
-    auto e = cache.acquire(ms[static_cast<std::size_t>(i)]);
+    auto e = cache.acquire(ms[static_cast<std::size_t>(i)], 0);
     if (!e) {
       std::fprintf(stderr, "import failed: %s\n", e.error().message().c_str());
       return 1;
@@ -104,7 +148,15 @@ int main(int argc, char** argv) {
     gdr_first.push_back(static_cast<double>(cache.stats().last_import_ns) / 1e3);
     cache.release(*e);
   }
-  for (int i = allocs; i < 2 * allocs; ++i) {
+  for (int i = allocs; i < 2 * allocs && vmm; ++i) {
+    const memory& m = ms[static_cast<std::size_t>(i)];
+    const auto t0 = std::chrono::steady_clock::now();
+    auto p = gdr::cuda::vmm_map(m.fd, m.size, 0);
+    raw_first.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    if (!p) return 1;
+    gdr::cuda::vmm_unmap(*p, m.size);
+  }
+  for (int i = allocs; i < 2 * allocs && !vmm; ++i) {
     cudaIpcMemHandle_t h;
     std::memcpy(&h, ms[static_cast<std::size_t>(i)].handle, sizeof h);
     void* p = nullptr;
@@ -117,21 +169,25 @@ int main(int argc, char** argv) {
   // Hits: the same allocation again and again.
   const memory& m0 = ms[0];
   const auto t0 = std::chrono::steady_clock::now();
+  memory hit = m0;
   for (long i = 0; i < hits; ++i) {
-    auto e = cache.acquire(m0);
+    if (vmm) hit.fd = ::dup(to_parent[0]);  // a descriptor came with the message: closed by the hit
+    auto e = cache.acquire(hit, 0);
     cache.release(*e);
   }
   const double hit_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
                         static_cast<double>(hits);
   const double g = median(gdr_first), r = median(raw_first);
-  std::printf("cuda_ipc_bench: %d allocations of %zu bytes\n", allocs, size);
+  std::printf("cuda_ipc_bench: %d allocations of %zu bytes, %s\n", allocs, size,
+              vmm ? "the virtual memory API (a file descriptor each)" : "cudaMalloc (legacy IPC handles)");
   std::printf("first import, gdr's cache:       median %8.1f us (max %.1f)   goal <= 300 us: %s\n", g,
               *std::max_element(gdr_first.begin(), gdr_first.end()), g <= 300 ? "met" : "not met");
-  std::printf("first import, raw cudaIpcOpenMemHandle: median %8.1f us   ratio gdr/raw %.2fx\n", r, g / r);
-  std::printf("cache hit (acquire + release):   %8.1f ns   goal < 1000 ns: %s\n", hit_ns,
+  std::printf("first import, raw %s: median %8.1f us   ratio gdr/raw %.2fx\n",
+              vmm ? "driver calls (import, reserve, map, access)" : "cudaIpcOpenMemHandle", r, g / r);
+  std::printf("cache hit (acquire + release%s): %8.1f ns   goal < 1000 ns: %s\n", vmm ? ", dup + close" : "", hit_ns,
               hit_ns < 1000 ? "met" : "not met");
   char done = 1;
-  (void)::write(to_child[1], &done, 1);
+  if (::write(to_child[1], &done, 1) < 0) return 1;
   int st = 0;
   ::waitpid(c, &st, 0);
   return 0;

@@ -4,7 +4,11 @@
 /// allocations imported here. The shared-memory transport's `Device` path
 /// uses them through `copy_engine::ipc_export` / `ipc_copy`.
 ///
-/// Export. A pointer is looked up with the driver (`cuPointerGetAttributes`,
+/// Export. gdr's own allocations of the virtual memory API (gdr/cuda/vmm.hpp:
+/// every `gdr::buffer<T, Device>` from 1 MiB) are found in its registry and
+/// exported as their file descriptor (`copy_engine::ipc_kind::fd`), which
+/// the transport passes to the peer over its socket. Any other pointer is
+/// looked up with the driver (`cuPointerGetAttributes`,
 /// reached through `cudaGetDriverEntryPointByVersion`: no link against
 /// libcuda): its allocation's start and size, its buffer id (unique in the
 /// process: an address freed and allocated again gets another), its GPU,
@@ -16,7 +20,9 @@
 /// (`cudaIpcGetMemHandle`) is made once per allocation and kept, keyed by
 /// base address and checked by buffer id.
 ///
-/// Import. A peer's allocation is opened once (`cudaIpcOpenMemHandle`) and
+/// Import. A peer's allocation is opened once (`cudaIpcOpenMemHandle`, or,
+/// for a descriptor, `vmm_map`: import, reserve, map, grant access to the
+/// GPU that copies; the descriptor is closed on a hit too) and
 /// kept in a cache keyed by (owner pid, GPU, base address); every hit is
 /// checked against the buffer id the owner sent, so a stale mapping (the
 /// owner freed the allocation and made another at the same address) is
@@ -47,6 +53,7 @@
 
 #include <gdr/cuda/device.hpp>
 #include <gdr/cuda/error.hpp>
+#include <gdr/cuda/vmm.hpp>
 #include <gdr/error.hpp>
 #include <gdr/sched/copy_engine.hpp>
 
@@ -61,13 +68,15 @@ struct ipc_cache_options {
 /// What the IPC part of the copy engine did.
 struct ipc_stats {
   std::uint64_t exports = 0;          ///< payloads exported
+  std::uint64_t fd_exports = 0;       ///< of them, gdr's virtual-memory allocations (a file descriptor travels)
   std::uint64_t handles_made = 0;     ///< `cudaIpcGetMemHandle` calls (one per allocation)
-  std::uint64_t imports = 0;          ///< allocations opened (`cudaIpcOpenMemHandle`)
+  std::uint64_t imports = 0;          ///< allocations opened (`cudaIpcOpenMemHandle`, or mapped from a descriptor)
+  std::uint64_t fd_imports = 0;       ///< of them, mapped from a descriptor (the virtual memory API)
   std::uint64_t hits = 0;             ///< copies that found their allocation open
   std::uint64_t stale = 0;            ///< hits refused: the buffer id changed (replaced)
   std::uint64_t evictions = 0;        ///< entries closed to stay within the bounds
   std::uint64_t closed = 0;           ///< allocations closed (`cudaIpcCloseMemHandle`)
-  std::uint64_t last_import_ns = 0;   ///< how long the last `cudaIpcOpenMemHandle` took
+  std::uint64_t last_import_ns = 0;   ///< how long the last import took
   std::uint64_t max_import_ns = 0;    ///< the longest
 };
 
@@ -111,6 +120,8 @@ class ipc_share {
     int refs = 0;
     int device = -1;
     bool own = false;      ///< this process's own memory: nothing to close
+    bool vmm = false;      ///< mapped from a descriptor (`vmm_unmap` to close)
+    std::uint64_t granted = 0;  ///< GPUs (bit per ordinal) that may access a `vmm` mapping
     bool retired = false;  ///< out of the cache: closed when its last copy is done
   };
 
@@ -136,6 +147,27 @@ class ipc_share {
       if (why != nullptr) *why = s;
       return make_error_code(errc::unsupported);
     };
+    // gdr's own allocations of the virtual memory API travel as a file
+    // descriptor; everything else the driver knows, by its legacy handle.
+    {
+      vmm_block b;
+      std::error_code ec;
+      if (vmm_registry::instance().find_exported(p, n, b, ec)) {
+        if (ec) return ec;
+        out = {};
+        out.kind = copy_engine::ipc_kind::fd;
+        out.fd = b.fd;
+        out.base = b.base;
+        out.size = b.size;
+        out.buffer_id = b.id;
+        out.device = b.device;
+        out.pid = static_cast<std::int32_t>(::getpid());
+        offset = reinterpret_cast<std::uintptr_t>(p) - b.base;
+        ++stats_.exports;
+        ++stats_.fd_exports;
+        return {};
+      }
+    }
     const detail::pointer_query& q = detail::pointer_query::get();
     if (q.fn == nullptr) return say("the CUDA driver's pointer query is not available");
     unsigned int type = 0, managed = 0, legacy = 0;
@@ -153,14 +185,14 @@ class ipc_share {
     void* data[] = {&type, &managed, &legacy, &ordinal, &id, &start, &size};
     if (q.fn(7, attrs, data, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS || type != CU_MEMORYTYPE_DEVICE)
       return say("not device memory the CUDA driver knows: allocate it with gdr::buffer<T, gdr::Device> "
-                 "(cudaMalloc), or set endpoint_options::device = staged");
+                 "(the virtual memory API or cudaMalloc), or set endpoint_options::device = staged");
     if (managed != 0)
       return say("managed memory (cudaMallocManaged) cannot be shared by CUDA IPC: allocate it with "
-                 "gdr::buffer<T, gdr::Device> (cudaMalloc), or set endpoint_options::device = staged");
+                 "gdr::buffer<T, gdr::Device>, or set endpoint_options::device = staged");
     if (legacy == 0)
-      return say("an allocation the CUDA driver cannot share by cudaIpcGetMemHandle (the virtual memory API or a "
-                 "memory pool, such as a caching allocator's expandable segments): allocate it with "
-                 "gdr::buffer<T, gdr::Device> (cudaMalloc), or set endpoint_options::device = staged");
+      return say("an allocation the CUDA driver cannot share by cudaIpcGetMemHandle, and not gdr's (the virtual "
+                 "memory API or a memory pool of another allocator, such as a caching allocator's expandable "
+                 "segments): allocate it with gdr::buffer<T, gdr::Device>, or set endpoint_options::device = staged");
     const auto at = reinterpret_cast<std::uintptr_t>(p);
     if (at < start || n > size || at - start > size - n) return say("the range runs past its allocation's end");
     auto it = handles_.find(start);
@@ -184,6 +216,8 @@ class ipc_share {
       }
     }
     static_assert(sizeof(cudaIpcMemHandle_t) == sizeof out.handle);
+    out.kind = copy_engine::ipc_kind::handle;
+    out.fd = -1;
     std::memcpy(out.handle, it->second.handle, sizeof out.handle);
     out.base = start;
     out.size = size;
@@ -198,12 +232,21 @@ class ipc_share {
   /// The peer's allocation `m`, open (imported now, or found in the cache
   /// with the same buffer id), with one more reference; `release` it when
   /// the copy is done.
-  result<entry*> acquire(const memory& m) noexcept {
+  /// `device`: the GPU that copies (a mapping from a descriptor is made
+  /// accessible to it). `m.fd` is taken: closed in every case.
+  result<entry*> acquire(const memory& m, int device) noexcept {
+    struct fd_closer {
+      int fd;
+      ~fd_closer() {
+        if (fd >= 0) ::close(fd);
+      }
+    } fd_owner{m.fd};
     const key k{m.pid, m.device, m.base};
     auto it = open_.find(k);
     if (it != open_.end()) {
       entry& e = *it->second;
       if (e.buffer_id == m.buffer_id && e.size == m.size) {
+        if (std::error_code ec = grant(e, device)) return ec;
         ++stats_.hits;
         ++e.refs;
         e.last_use = ++clock_;
@@ -220,6 +263,16 @@ class ipc_share {
     if (m.pid == ::getpid()) {
       e->own = true;
       e->mapped = reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(m.base));
+    } else if (m.kind == copy_engine::ipc_kind::fd) {
+      if (m.fd < 0) return make_error_code(errc::invalid_argument);
+      const auto t0 = std::chrono::steady_clock::now();
+      result<void*> p = vmm_map(std::exchange(fd_owner.fd, -1), static_cast<std::size_t>(m.size), device);
+      if (!p) return p.error();
+      note_import(t0);
+      ++stats_.fd_imports;
+      e->vmm = true;
+      e->granted = device >= 0 && device < 64 ? std::uint64_t{1} << device : 0;
+      e->mapped = static_cast<std::byte*>(*p);
     } else {
       cudaIpcMemHandle_t h;
       std::memcpy(&h, m.handle, sizeof h);
@@ -229,11 +282,7 @@ class ipc_share {
       const auto t0 = std::chrono::steady_clock::now();
       if (std::error_code ec = check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
         return ec;
-      const auto ns = static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-      stats_.last_import_ns = ns;
-      if (ns > stats_.max_import_ns) stats_.max_import_ns = ns;
-      ++stats_.imports;
+      note_import(t0);
       e->mapped = static_cast<std::byte*>(p);
     }
     e->refs = 1;
@@ -278,8 +327,30 @@ class ipc_share {
     std::byte handle[64]{};
   };
 
+  void note_import(std::chrono::steady_clock::time_point t0) noexcept {
+    const auto ns = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    stats_.last_import_ns = ns;
+    if (ns > stats_.max_import_ns) stats_.max_import_ns = ns;
+    ++stats_.imports;
+  }
+
+  /// A mapping from a descriptor, accessible to GPU `device` too.
+  static std::error_code grant(entry& e, int device) noexcept {
+    if (!e.vmm || device < 0 || device >= 64 || (e.granted & (std::uint64_t{1} << device)) != 0) return {};
+    if (std::error_code ec = vmm_grant(e.mapped, static_cast<std::size_t>(e.size), device)) return ec;
+    e.granted |= std::uint64_t{1} << device;
+    return {};
+  }
+
   void close(entry& e) noexcept {
     if (e.own || e.mapped == nullptr) return;
+    if (e.vmm) {
+      vmm_unmap(e.mapped, static_cast<std::size_t>(e.size));
+      e.mapped = nullptr;
+      ++stats_.closed;
+      return;
+    }
     device_guard g(e.device);
     check_or_log(cudaIpcCloseMemHandle(e.mapped), "cudaIpcCloseMemHandle");
     e.mapped = nullptr;

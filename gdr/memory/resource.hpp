@@ -16,8 +16,13 @@
 ///           fallback to pageable memory. (One exception outside gdr's
 ///           control: the sanitizers' runtime (ASan, TSan) intercepts `mlock`
 ///           and ignores it, so under them this memory is not actually locked.)
-///   Device  `cudaMalloc` on a device ordinal, with that device made current for
-///           the call and restored after. Without a GPU: `errc::no_device`, and
+///   Device  the CUDA virtual memory API (`cuMemCreate` with POSIX file-descriptor
+///           handles: memory another process can map, gdr/cuda/vmm.hpp) from
+///           1 MiB, where the GPU supports it; `cudaMalloc` below that (it
+///           suballocates; the virtual memory API rounds up to 2 MiB) and on
+///           GPUs without it. `cuda::set_device_allocation` changes the rule;
+///           `allocation::method` says which a buffer got. The device is made
+///           current for the call and restored after. Without a GPU: `errc::no_device`, and
 ///           `failure_message` says why (no driver, no device, bad ordinal).
 ///           Without CUDA in the translation unit there is no Device resource:
 ///           `buffer<T, Device>` does not compile (see buffer.hpp).
@@ -47,6 +52,7 @@
 #if GDR_HAS_CUDA
 #include <gdr/cuda/device.hpp>
 #include <gdr/cuda/error.hpp>
+#include <gdr/cuda/vmm.hpp>
 #endif
 
 namespace gdr {
@@ -58,6 +64,7 @@ enum class alloc_method : std::uint8_t {
   cuda_host_alloc,  ///< Pinned: `cudaHostAlloc`, known to the CUDA driver
   mmap_mlock,       ///< Pinned without a CUDA driver: `mmap` + `mlock`
   cuda_malloc,      ///< Device: `cudaMalloc`
+  cuda_vmm,         ///< Device: the virtual memory API, shareable by file descriptor (gdr/cuda/vmm.hpp)
 };
 
 /// One allocation: what `memory_resource<S>::allocate` returns and
@@ -159,11 +166,11 @@ struct memory_resource<Pinned> {
 };
 
 #if GDR_HAS_CUDA
-/// GPU memory: `cudaMalloc` on device `device`.
+/// GPU memory on device `device` (the virtual memory API or `cudaMalloc`).
 template <>
 struct memory_resource<Device> {
   /// `bytes` of memory on GPU `device`. `errc::no_device` when there is no
-  /// usable GPU of that ordinal; a CUDA error code when `cudaMalloc` fails
+  /// usable GPU of that ordinal; a CUDA error code when the allocation fails
   /// (`cudaErrorMemoryAllocation`: out of device memory).
   static result<allocation> allocate(std::size_t bytes, int device = 0) noexcept {
     if (bytes == 0) return allocation{nullptr, 0, device, alloc_method::none};
@@ -171,6 +178,12 @@ struct memory_resource<Device> {
       if (!cuda::device_unavailable_reason(device).empty()) return errc::no_device;
     } catch (...) {  // std::bad_alloc while composing the reason
       return errno_code(ENOMEM);
+    }
+    const cuda::device_allocation rule = cuda::current_device_allocation();
+    if (rule.vmm == cuda::vmm_use::always || (rule.vmm == cuda::vmm_use::automatic && bytes >= rule.vmm_min_bytes)) {
+      result<cuda::vmm_block> b = cuda::vmm_registry::instance().allocate(bytes, device);
+      if (b) return allocation{reinterpret_cast<void*>(b->base), bytes, device, alloc_method::cuda_vmm};
+      if (b.error() != errc::unsupported) return b.error();  // the GPU cannot: cudaMalloc
     }
     cuda::device_guard guard(device);
     if (guard.error()) return guard.error();
@@ -181,6 +194,7 @@ struct memory_resource<Device> {
   static void deallocate(const allocation& a) noexcept {
     // cudaFree needs no current device: unified addressing knows the owner.
     if (a.method == alloc_method::cuda_malloc) cuda::check_or_log(cudaFree(a.ptr), "cudaFree");
+    if (a.method == alloc_method::cuda_vmm) cuda::vmm_registry::instance().free(a.ptr);
   }
   /// The sentence for `gdr::error` when `allocate` failed with `ec`; for
   /// `errc::no_device` it says why (no driver, no device, bad ordinal).

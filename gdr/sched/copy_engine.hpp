@@ -24,6 +24,8 @@
 /// `errc::no_device`, saying so.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -85,16 +87,30 @@ class copy_engine : public poller {
   // process imports it (once: the engine keeps a cache of mappings) and
   // copies straight out of it on its GPU.
 
+  /// How an exported allocation travels.
+  enum class ipc_kind : std::uint8_t {
+    handle = 1,  ///< the driver's legacy IPC handle, in `handle` (`cudaMalloc` memory)
+    fd = 2,      ///< a file descriptor (the virtual memory API), passed beside the descriptor
+  };
+
   /// What the owner of device memory sends the importer: the allocation
   /// that holds the bytes, never more. Trivially copyable; `wire_size`
-  /// bytes on the wire (`to_wire`, `from_wire`).
+  /// bytes on the wire (`to_wire`, `from_wire`). `kind` and `fd` are not
+  /// in those bytes: the transport carries them (the kind in its frame,
+  /// the descriptor over its socket).
   struct ipc_memory {
-    std::byte handle[64]{};       ///< the driver's handle (`cudaIpcMemHandle_t`)
+    std::byte handle[64]{};       ///< the driver's handle (`cudaIpcMemHandle_t`), for `ipc_kind::handle`
     std::uint64_t base = 0;       ///< the allocation's address in the owner's process
     std::uint64_t size = 0;       ///< the allocation's bytes
     std::uint64_t buffer_id = 0;  ///< the driver's id of the allocation: an address freed and reused gets another
     std::int32_t device = -1;     ///< the owner's GPU ordinal
     std::int32_t pid = 0;         ///< the owner's process id
+    ipc_kind kind = ipc_kind::handle;
+    /// `ipc_kind::fd`: the allocation's descriptor. From `ipc_export`, the
+    /// owner's own (borrowed: the transport passes a copy to the peer and
+    /// closes nothing); into `ipc_copy`, the importer's (taken: the engine
+    /// closes it, whatever happens).
+    int fd = -1;
 
     static constexpr std::size_t wire_size = 96;
     void to_wire(std::byte* out) const noexcept {
@@ -138,9 +154,12 @@ class copy_engine : public poller {
   /// `dst_device`, or host memory (-1). The allocation is imported on first
   /// use and kept (per owner process, GPU and base address, checked by
   /// buffer id) while copies use it. `c` completes as for `copy`.
+  /// `src.fd` (`ipc_kind::fd`) is the engine's: used to import the
+  /// allocation if it is not mapped yet, and closed in every case.
   virtual std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device,
                                    std::size_t n, completion* c) noexcept {
-    (void)src, (void)offset, (void)dst, (void)dst_device, (void)n, (void)c;
+    (void)offset, (void)dst, (void)dst_device, (void)n, (void)c;
+    if (src.fd >= 0) ::close(src.fd);
     return errc::unsupported;
   }
 

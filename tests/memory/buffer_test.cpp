@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <gdr/memory/buffer.hpp>
 
@@ -112,7 +113,8 @@ TEST_CASE("a device buffer is on its GPU, or fails with no_device saying why") {
   gdr::buffer<float, gdr::Device> d(1 << 20, 0);
   CHECK(d.size() == (1u << 20));
   CHECK(d.device() == 0);
-  CHECK(d.method() == gdr::alloc_method::cuda_malloc);
+  // 4 MiB: the virtual memory API where the GPU shares such memory.
+  CHECK(d.method() == (gdr::cuda::vmm_shareable(0) ? gdr::alloc_method::cuda_vmm : gdr::alloc_method::cuda_malloc));
   CHECK(d.view().device() == 0);
   cudaPointerAttributes attr{};
   REQUIRE(cudaPointerGetAttributes(&attr, d.data()) == cudaSuccess);
@@ -121,6 +123,52 @@ TEST_CASE("a device buffer is on its GPU, or fails with no_device saying why") {
   gdr::buffer<float, gdr::Device> moved = std::move(d);
   CHECK(moved.device() == 0);
   CHECK(d.data() == nullptr);  // NOLINT
+}
+
+TEST_CASE("a device buffer from 1 MiB is shareable memory of the virtual memory API, smaller ones cudaMalloc's") {
+  if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
+  if (!gdr::cuda::vmm_shareable(0)) GDR_SKIP("GPU 0 cannot allocate memory shareable by file descriptor");
+  const std::size_t before = gdr::cuda::vmm_registry::instance().size();
+  {
+    gdr::buffer<std::byte, gdr::Device> small(64 * 1024), big((3u << 20) + 5);
+    CHECK(small.method() == gdr::alloc_method::cuda_malloc);
+    CHECK(big.method() == gdr::alloc_method::cuda_vmm);
+    CHECK(gdr::cuda::vmm_registry::instance().size() == before + 1);
+    // Device memory like any other: the runtime knows it, and copies work.
+    cudaPointerAttributes attr{};
+    REQUIRE(cudaPointerGetAttributes(&attr, big.data() + 12345) == cudaSuccess);
+    CHECK(attr.type == cudaMemoryTypeDevice);
+    CHECK(attr.device == 0);
+    std::vector<std::byte> in(big.size()), out(big.size());
+    for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<std::byte>(i * 7 + 1);
+    REQUIRE(cudaMemcpy(big.data(), in.data(), in.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemset(big.data(), 0x5a, 5) == cudaSuccess);
+    REQUIRE(cudaMemcpy(out.data(), big.data(), out.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+    for (std::size_t i = 0; i < 5; ++i) in[i] = std::byte{0x5a};
+    CHECK(out == in);
+    // Its descriptor is made once, on the first export, and kept.
+    gdr::cuda::vmm_block b1, b2;
+    std::error_code ec;
+    REQUIRE(gdr::cuda::vmm_registry::instance().find_exported(big.data() + 100, 10, b1, ec));
+    REQUIRE(!ec);
+    REQUIRE(gdr::cuda::vmm_registry::instance().find_exported(big.data(), big.size(), b2, ec));
+    CHECK(b1.fd >= 0);
+    CHECK(b1.fd == b2.fd);
+    CHECK(b1.base == reinterpret_cast<std::uintptr_t>(big.data()));
+    CHECK(b1.size >= big.size());
+    CHECK((b1.id >> 63) == 1);
+    CHECK_FALSE(gdr::cuda::vmm_registry::instance().find_exported(small.data(), 1, b1, ec));
+    CHECK_FALSE(gdr::cuda::vmm_registry::instance().find_exported(big.data(), b2.size + 1, b1, ec));
+  }
+  CHECK(gdr::cuda::vmm_registry::instance().size() == before);
+  // The process's rule: never, then always, then back.
+  gdr::cuda::set_device_allocation({.vmm = gdr::cuda::vmm_use::never});
+  gdr::buffer<std::byte, gdr::Device> plain(8u << 20);
+  CHECK(plain.method() == gdr::alloc_method::cuda_malloc);
+  gdr::cuda::set_device_allocation({.vmm = gdr::cuda::vmm_use::always});
+  gdr::buffer<std::byte, gdr::Device> tiny(8);
+  CHECK(tiny.method() == gdr::alloc_method::cuda_vmm);
+  gdr::cuda::set_device_allocation({});
 }
 
 TEST_CASE("a pinned buffer on a GPU machine is known to CUDA as host memory") {

@@ -18,16 +18,28 @@
 // So the shared-memory transport's CUDA IPC path runs everywhere; the GPU
 // machine runs it on the driver's IPC. `refuse_export` makes every export
 // fail as memory the driver cannot share does.
+//
+// The virtual memory API's stand-in: `fd_block`s are memfds mapped shared
+// (what `cuMemCreate` with POSIX file-descriptor handles is to the GPU).
+// They export as `ipc_kind::fd` with the memfd as the descriptor, which the
+// transport passes over its socket; the importer maps the descriptor it is
+// given (cached by owner pid and base, checked by id) and copies out of the
+// mapping, closing the descriptor either way.
 #pragma once
 
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <mutex>
 #include <new>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include <gdr/error.hpp>
@@ -35,6 +47,64 @@
 #include <gdr/sched/scheduler.hpp>
 
 namespace gdr_test_support {
+
+/// One allocation shared by file descriptor (see the file comment).
+struct fd_block {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  int fd = -1;
+  std::uint64_t id = 0;
+};
+
+/// The process's fd blocks, by base.
+class fd_blocks {
+ public:
+  static fd_blocks& instance() {
+    static fd_blocks b;
+    return b;
+  }
+  /// `n` bytes (at least one page) of a memfd mapped shared; throws on failure.
+  void* allocate(std::size_t n) {
+    const std::size_t size = std::max<std::size_t>(n, 1);
+    int fd = ::memfd_create("gdr-test-fd-block", MFD_CLOEXEC);
+    if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+      if (fd >= 0) ::close(fd);
+      throw std::bad_alloc();
+    }
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      ::close(fd);
+      throw std::bad_alloc();
+    }
+    std::lock_guard lk(mu_);
+    blocks_[reinterpret_cast<std::uintptr_t>(p)] = {reinterpret_cast<std::uintptr_t>(p), size, fd, ++next_id_};
+    return p;
+  }
+  void free(void* p) noexcept {
+    std::lock_guard lk(mu_);
+    auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == blocks_.end()) return;
+    ::munmap(p, it->second.size);
+    ::close(it->second.fd);
+    blocks_.erase(it);
+  }
+  /// The block holding `[p, p + n)`.
+  bool find(const void* p, std::size_t n, fd_block& out) {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    std::lock_guard lk(mu_);
+    auto it = blocks_.upper_bound(at);
+    if (it == blocks_.begin()) return false;
+    --it;
+    if (at - it->second.base >= it->second.size || n > it->second.size - (at - it->second.base)) return false;
+    out = it->second;
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::uintptr_t, fd_block> blocks_;
+  std::uint64_t next_id_ = 0;
+};
 
 class cpu_copy_engine final : public gdr::copy_engine {
  public:
@@ -48,6 +118,8 @@ class cpu_copy_engine final : public gdr::copy_engine {
   ~cpu_copy_engine() override {
     sched_->remove_poller(*this);
     sched_->release_poller_slot(static_cast<gdr::copy_engine&>(*this));
+    for (auto& [k, m] : mapped_) ::munmap(m.p, m.size);
+    unmap_retired();
   }
 
   std::error_code copy(direction d, int device, void* dst, const void* src, std::size_t n, gdr::stream_order after,
@@ -75,22 +147,48 @@ class cpu_copy_engine final : public gdr::copy_engine {
       return gdr::errc::unsupported;
     }
     out = {};
+    out.device = 0;
+    out.pid = static_cast<std::int32_t>(::getpid());
+    ++ipc_exports;
+    if (fd_block b; fd_blocks::instance().find(p, n, b)) {
+      out.kind = ipc_kind::fd;
+      out.fd = b.fd;  // borrowed, as the driver's export is
+      out.base = b.base;
+      out.size = b.size;
+      out.buffer_id = b.id;
+      offset = reinterpret_cast<std::uintptr_t>(p) - b.base;
+      ++fd_exports;
+      return {};
+    }
     out.base = reinterpret_cast<std::uintptr_t>(p);
     out.size = n;
     out.buffer_id = 1;
-    out.device = 0;
-    out.pid = static_cast<std::int32_t>(::getpid());
     offset = 0;
-    ++ipc_exports;
     return {};
   }
 
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int, std::size_t n,
                            completion* c) noexcept override {
+    struct closer {
+      int fd;
+      ~closer() {
+        if (fd >= 0) ::close(fd);
+      }
+    } owned{src.fd};
     if (!ipc || n == 0 || dst == nullptr || c == nullptr) return gdr::errc::invalid_argument;
+    auto from = reinterpret_cast<const std::byte*>(static_cast<std::uintptr_t>(src.base));
+    int pid = src.pid == ::getpid() ? 0 : src.pid;
+    if (src.kind == ipc_kind::fd) {
+      if (src.fd < 0 || offset > src.size || n > src.size - offset) return gdr::errc::invalid_argument;
+      if (pid != 0) {
+        result_of_map m = map(src);
+        if (m.p == nullptr) return gdr::errno_code(m.err);
+        from = m.p;
+        pid = 0;  // read through this process's mapping
+      }
+    }
     try {
-      queue_[0].push_back({c, dst, reinterpret_cast<const void*>(static_cast<std::uintptr_t>(src.base + offset)), n,
-                           src.pid == ::getpid() ? 0 : src.pid});
+      queue_[0].push_back({c, dst, from + offset, n, pid});
     } catch (...) {
       return gdr::errno_code(ENOMEM);
     }
@@ -100,7 +198,18 @@ class cpu_copy_engine final : public gdr::copy_engine {
     return {};
   }
 
-  void ipc_forget(int) noexcept override { ++ipc_forgets; }
+  void ipc_forget(int pid) noexcept override {
+    ++ipc_forgets;
+    for (auto it = mapped_.begin(); it != mapped_.end();) {
+      if (it->first.first == pid) {
+        retired_.push_back(it->second);
+        it = mapped_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (in_flight_ == 0) unmap_retired();
+  }
 
   pinned_block allocate_pinned(std::size_t n) noexcept override {
     auto* p = static_cast<std::byte*>(::operator new(n, std::align_val_t{64}, std::nothrow));
@@ -139,6 +248,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
       }
       e.c->done(e.c, ec);
     }
+    if (in_flight_ == 0) unmap_retired();
     st.did_work = !ready.empty();
     if (in_flight_ != 0) st.sleep_bound = std::chrono::nanoseconds(0);
     return st;
@@ -162,6 +272,11 @@ class cpu_copy_engine final : public gdr::copy_engine {
   std::size_t ipc_exports = 0;
   std::size_t ipc_copies = 0;
   std::size_t ipc_forgets = 0;
+  std::size_t fd_exports = 0;  ///< fd blocks exported
+  std::size_t fd_imports = 0;  ///< fd blocks of a peer mapped here
+  std::size_t fd_hits = 0;     ///< copies that found their peer's fd block mapped
+  std::size_t fd_stale = 0;    ///< mappings replaced: the peer's block at that base changed
+  std::size_t mapped() const noexcept { return mapped_.size(); }
 
  private:
   struct entry {
@@ -173,11 +288,51 @@ class cpu_copy_engine final : public gdr::copy_engine {
   };
   static void release_block(std::byte* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t{64}); }
 
+  struct mapping {
+    std::byte* p = nullptr;
+    std::size_t size = 0;
+    std::uint64_t id = 0;
+  };
+  struct result_of_map {
+    const std::byte* p = nullptr;
+    int err = 0;
+  };
+  /// The peer's fd block `src`, mapped here (now, or before with the same id).
+  result_of_map map(const ipc_memory& src) noexcept {
+    const std::pair<int, std::uint64_t> k{src.pid, src.base};
+    auto it = mapped_.find(k);
+    if (it != mapped_.end()) {
+      if (it->second.id == src.buffer_id && it->second.size == src.size) {
+        ++fd_hits;
+        return {it->second.p, 0};
+      }
+      ++fd_stale;
+      retired_.push_back(it->second);
+      mapped_.erase(it);
+    }
+    void* p = ::mmap(nullptr, src.size, PROT_READ | PROT_WRITE, MAP_SHARED, src.fd, 0);
+    if (p == MAP_FAILED) return {nullptr, errno};
+    try {
+      mapped_[k] = {static_cast<std::byte*>(p), static_cast<std::size_t>(src.size), src.buffer_id};
+    } catch (...) {
+      ::munmap(p, src.size);
+      return {nullptr, ENOMEM};
+    }
+    ++fd_imports;
+    return {static_cast<std::byte*>(p), 0};
+  }
+  void unmap_retired() noexcept {
+    for (mapping& m : retired_) ::munmap(m.p, m.size);
+    retired_.clear();
+  }
+
   gdr::scheduler* sched_;
   std::deque<entry> queue_[2];
   std::size_t in_flight_ = 0;
   bool held_ = false;
   int fail_in_ = 0;
+  std::map<std::pair<int, std::uint64_t>, mapping> mapped_;  // peers' fd blocks, by (pid, base)
+  std::vector<mapping> retired_;                             // unmapped once no copy runs
 };
 
 }  // namespace gdr_test_support

@@ -22,11 +22,21 @@
 #include <gdr/cuda/device.hpp>
 #include <gdr/cuda/event_poller.hpp>
 #include <gdr/cuda/stream.hpp>
+#include <gdr/cuda/vmm.hpp>
+#include <gdr/error.hpp>
 #else
 #include "tests/protocol/cpu_copy_engine.hpp"
 #endif
 
 namespace staged {
+
+/// How a `dev_mem` is allocated: `plain` as a caller's own GPU memory
+/// (`cudaMalloc`; shared by legacy IPC), `shareable` as gdr allocates from
+/// 1 MiB (the virtual memory API, shared by file descriptor; on the CPU,
+/// the copy engine's stand-in, a memfd). `default_alloc` is the tests'
+/// choice when they name none.
+enum class dev_alloc { plain, shareable };
+inline dev_alloc default_alloc = dev_alloc::plain;
 
 #if GDR_HAS_CUDA
 inline constexpr bool real_gpu = true;
@@ -49,13 +59,24 @@ struct env {
 
 class dev_mem {
  public:
-  explicit dev_mem(std::size_t n, int device = 0) : n_(n), device_(device) {
+  explicit dev_mem(std::size_t n, int device = 0, dev_alloc how = default_alloc) : n_(n), device_(device) {
+    if (how == dev_alloc::shareable) {
+      auto b = gdr::cuda::vmm_registry::instance().allocate(n == 0 ? 1 : n, device);
+      if (!b) throw gdr::error(b.error(), "dev_mem: the virtual memory API refused an allocation");
+      p_ = reinterpret_cast<void*>(b->base);
+      vmm_ = true;
+      return;
+    }
     gdr::cuda::device_guard g(device);
     if (cudaMalloc(&p_, n == 0 ? 1 : n) != cudaSuccess) throw std::bad_alloc();
   }
   dev_mem(const dev_mem&) = delete;
   dev_mem& operator=(const dev_mem&) = delete;
   ~dev_mem() {
+    if (vmm_) {
+      gdr::cuda::vmm_registry::instance().free(p_);
+      return;
+    }
     gdr::cuda::device_guard g(device_);
     (void)cudaFree(p_);
   }
@@ -85,6 +106,7 @@ class dev_mem {
   void* p_ = nullptr;
   std::size_t n_;
   int device_ = 0;
+  bool vmm_ = false;
 };
 
 #else
@@ -103,17 +125,33 @@ struct env {
 
 class dev_mem {
  public:
-  explicit dev_mem(std::size_t n, int = 0) : m_(n) {}
-  gdr::view<std::byte, gdr::Device> view() noexcept { return {m_.data(), m_.size(), 0}; }
-  void fill(const std::vector<std::byte>& v) {
-    if (!v.empty() && !m_.empty()) std::memcpy(m_.data(), v.data(), std::min(v.size(), m_.size()));
+  explicit dev_mem(std::size_t n, int = 0, dev_alloc how = default_alloc) : n_(n) {
+    if (how == dev_alloc::shareable) {
+      p_ = static_cast<std::byte*>(gdr_test_support::fd_blocks::instance().allocate(n));
+      fd_ = true;
+    } else {
+      own_.resize(n);
+      p_ = own_.data();
+    }
   }
-  void set(std::byte b) { std::fill(m_.begin(), m_.end(), b); }
-  std::vector<std::byte> read() const { return m_; }
-  std::size_t size() const noexcept { return m_.size(); }
+  dev_mem(const dev_mem&) = delete;
+  dev_mem& operator=(const dev_mem&) = delete;
+  ~dev_mem() {
+    if (fd_) gdr_test_support::fd_blocks::instance().free(p_);
+  }
+  gdr::view<std::byte, gdr::Device> view() noexcept { return {p_, n_, 0}; }
+  void fill(const std::vector<std::byte>& v) {
+    if (!v.empty() && n_ != 0) std::memcpy(p_, v.data(), std::min(v.size(), n_));
+  }
+  void set(std::byte b) { std::fill(p_, p_ + n_, b); }
+  std::vector<std::byte> read() const { return {p_, p_ + n_}; }
+  std::size_t size() const noexcept { return n_; }
 
  private:
-  std::vector<std::byte> m_;
+  std::vector<std::byte> own_;
+  std::byte* p_ = nullptr;
+  std::size_t n_;
+  bool fd_ = false;
 };
 #endif
 

@@ -20,6 +20,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -250,6 +251,7 @@ class guarded_copy_engine final : public gdr::copy_engine {
   ~guarded_copy_engine() override {
     sched_->remove_poller(*this);
     sched_->release_poller_slot(static_cast<gdr::copy_engine&>(*this));
+    if (token_fd_ >= 0) ::close(token_fd_);
   }
 
   std::error_code copy(direction d, int device, void* dst, const void* src, std::size_t n, gdr::stream_order,
@@ -295,12 +297,32 @@ class guarded_copy_engine final : public gdr::copy_engine {
     out.device = 0;
     out.pid = static_cast<std::int32_t>(::getpid());
     offset = 0;
+    if (ipc_fds) {
+      // As gdr's own allocations go: with a descriptor (borrowed), which
+      // the transport passes over its socket.
+      if (token_fd_ < 0) token_fd_ = ::memfd_create("stress-ipc-token", MFD_CLOEXEC);
+      if (token_fd_ < 0) return gdr::errno_code(errno);
+      out.kind = ipc_kind::fd;
+      out.fd = token_fd_;
+    }
     ++ipc_exports;
     return {};
   }
 
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device, std::size_t n,
                            completion* c) noexcept override {
+    // A descriptor that came with the copy is the engine's: it must be the
+    // one exported (the same file), and it is closed here in every case.
+    if (src.kind == ipc_kind::fd) {
+      struct stat got {}, want {};
+      if (src.fd < 0 || token_fd_ < 0 || ::fstat(src.fd, &got) != 0 || ::fstat(token_fd_, &want) != 0 ||
+          got.st_ino != want.st_ino || got.st_dev != want.st_dev)
+        j_->fail("ipc-fd", strf("an ipc_copy's descriptor (%d) is not the one its owner exported", src.fd));
+      if (src.fd >= 0) ::close(src.fd);
+      ++fds_taken;
+    } else if (ipc_fds) {
+      j_->fail("ipc-fd", "an ipc_copy of an allocation exported with a descriptor came without it");
+    }
     const auto* from = reinterpret_cast<const std::byte*>(static_cast<std::uintptr_t>(src.base + offset));
     if (!ipc || n == 0 || dst == nullptr || c == nullptr || offset + n > src.size || src.pid != ::getpid()) {
       j_->fail("copy-engine", strf("ipc_copy of %zu bytes: an argument is out of its domain", n));
@@ -378,7 +400,11 @@ class guarded_copy_engine final : public gdr::copy_engine {
   std::size_t in_flight() const noexcept { return in_flight_; }
   std::size_t copies = 0;
   bool ipc = false;  ///< CUDA IPC's stand-in is on (a shm-ipc run)
+  /// ... and exports travel with a descriptor, as gdr's shareable
+  /// allocations do (half of the shm-ipc runs, by seed).
+  bool ipc_fds = false;
   std::size_t ipc_exports = 0;
+  std::size_t fds_taken = 0;
 
  private:
   struct entry {
@@ -431,6 +457,7 @@ class guarded_copy_engine final : public gdr::copy_engine {
   unsigned max_delay_;
   std::deque<entry> queue_[2];
   std::size_t in_flight_ = 0;
+  int token_fd_ = -1;  // the descriptor exports carry (ipc_fds)
 };
 
 }  // namespace stress

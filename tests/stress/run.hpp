@@ -173,6 +173,8 @@ std::vector<failure> run_in_process(const run_config& c, const plan& p) {
       gdr::scheduler sched({.mode = c.mode});
       guarded_copy_engine ce(sched, mem, j, hash_of({c.seed, 0x6365}), p.copy_delay);
       ce.ipc = p.transport == transport_kind::shm_ipc;
+      ce.ipc_fds = ce.ipc && (hash_of({c.seed, 0x6664}) & 1) != 0;
+      if (ce.ipc_fds) j.log("exports travel with a descriptor (shareable allocations)");
       session<typename Fixture::endpoint> ss(p, j, rr, mem, reg, 3, c.limits());
       ss.on_hang = [&] {
         print_failures(c, j.failures());

@@ -44,7 +44,15 @@
 /// device memory goes into the ring as its header (byte 13, reserved in
 /// the TCP format, set to 1) and a descriptor: the allocation exported by
 /// the copy engine (`copy_engine::ipc_export`: the driver's handle, base,
-/// size, buffer id, GPU, pid) and the payload's offset in it. The reader
+/// size, buffer id, GPU, pid) and the payload's offset in it. gdr's own
+/// allocations (the virtual memory API) travel as a file descriptor
+/// instead: the writer passes it over the socket (`SCM_RIGHTS`, with the
+/// allocation's id and base) before it writes the frame, and marks the
+/// frame with 2; the reader takes the next descriptor off the socket when
+/// it reads such a frame (it is there: the writer's `sendmsg` returned
+/// before the frame was in the ring) and checks it names that allocation.
+/// A full socket holds the writer back (`sock_blocked_`, tried again
+/// after 100 us) and nothing else. The reader
 /// checks the descriptor against the header and the peer, has its copy
 /// engine copy the bytes straight out of the peer's allocation into their
 /// place (`copy_engine::ipc_copy`: imported once, then cached), and stops
@@ -63,7 +71,8 @@
 /// io_uring read of its eventfd) and sets its waiting flag in the ring first
 /// (the flag protocol in ring.hpp).
 ///
-/// Liveness. The Unix socket carries nothing after the handshake. The
+/// Liveness. The Unix socket carries nothing after the handshake but those
+/// descriptors. The
 /// connection keeps a poll for its hang-up in flight: the peer's process
 /// ending (killed or not) closes its socket, and the kernel reports it at
 /// once. What the peer wrote before it ended is still read (the mapping
@@ -277,17 +286,31 @@ class connection final : public proto::engine {
   bool ipc_out(const frame& f) const noexcept { return parts_.device_ipc && f.device >= 0 && f.hdr.length != 0; }
   /// A CUDA IPC frame's body: the exported allocation and the offset.
   static constexpr std::size_t ipc_body = copy_engine::ipc_memory::wire_size + sizeof(std::uint64_t);
-  /// The header byte that marks a CUDA IPC frame (reserved in the TCP format).
+  /// The header byte that marks a CUDA IPC frame (reserved in the TCP
+  /// format): `copy_engine::ipc_kind` (1, the driver's handle in the
+  /// descriptor; 2, a file descriptor passed over the socket).
   static constexpr std::size_t ipc_mark = 13;
+  static bool ipc_marked(std::byte b) noexcept {
+    return b == std::byte{1} || b == std::byte{2};
+  }
   /// Bytes `f` takes in the ring.
   std::size_t ring_bytes(const frame& f) const noexcept {
     if (ipc_out(f)) return wire::header_size + ipc_body;
     return wire::header_size + (single_copy_out(f) ? sizeof(std::uint64_t) : static_cast<std::size_t>(f.hdr.length));
   }
   /// Exports the device memory of the frame about to be sealed into
-  /// `ipc_out_`. False: it cannot be shared; the connection fails (from the
-  /// loop) with `errc::unsupported`.
+  /// `ipc_out_` (and, for an allocation that travels as a file descriptor,
+  /// passes the descriptor over the socket first, so that it is there
+  /// before the frame is). False: not now (the socket is full:
+  /// `sock_blocked_`), or it cannot be shared: the connection fails (from
+  /// the loop) with `errc::unsupported`.
   bool export_ipc(const frame& f) noexcept;
+  /// Passes `m.fd` over the socket, with its allocation's id and base.
+  bool pass_fd(const copy_engine::ipc_memory& m) noexcept;
+  /// Takes the descriptor the peer passed for the frame whose allocation is
+  /// `m` (the next message on the socket); -1 when it is not there or not
+  /// that allocation's (a protocol error).
+  int take_fd(const copy_engine::ipc_memory& m) noexcept;
   /// The CUDA IPC frame `f` may go once the work queued on its GPU before
   /// it (the legacy default stream, and its operation's `after` stream) is
   /// done: true when it is; false while the fence runs (the writer waits;
@@ -448,7 +471,11 @@ class connection final : public proto::engine {
   bool close_written_ = false;   // this side's close frame is in the ring
   bool tx_blocked_ = false;      // frames wait for room in the ring
   bool export_failed_ = false;   // a Device payload could not be shared: fail from the loop
+  std::error_code fail_due_;     // the socket refused a descriptor: fail from the loop
+  bool sock_blocked_ = false;    // the socket is full: a descriptor waits (retried at sock_retry_at_)
+  std::chrono::steady_clock::time_point sock_retry_at_{};
   std::byte ipc_out_[ipc_body];  // the descriptor of txq_.head, when it is a CUDA IPC frame
+  std::byte ipc_kind_out_{1};    // and its kind (the header's mark)
   gpu_node fence_done_{};
   const frame* fence_for_ = nullptr;  // the frame whose fence runs
   const frame* fenced_ = nullptr;     // the frame whose fence is done (until it is sealed)

@@ -18,6 +18,7 @@
 #include <gdr/log.hpp>
 #include <gdr/protocol/engine/event_scope.hpp>
 #include <gdr/transport/shm/connection.hpp>
+#include <gdr/transport/shm/descriptors.hpp>
 
 namespace gdr::detail::shm {
 
@@ -87,7 +88,7 @@ inline void connection::write_some(bool in_event) noexcept {
       if (ipc && (!fence(*f) || !export_ipc(*f))) break;
       fenced_ = nullptr;
       seal(*f);
-      if (ipc) f->encoded[ipc_mark] = std::byte{1};
+      if (ipc) f->encoded[ipc_mark] = ipc_kind_out_;
     }
     while (f->written < total) {
       if (room == 0 && (room = tx_.room(total - f->written)) == 0) break;
@@ -168,11 +169,14 @@ inline bool connection::export_ipc(const frame& f) noexcept {
     kick();
     return false;
   }
+  if (m.kind == copy_engine::ipc_kind::fd && !pass_fd(m)) return false;
   m.to_wire(ipc_out_);
   std::memcpy(ipc_out_ + copy_engine::ipc_memory::wire_size, &off, sizeof off);
+  ipc_kind_out_ = static_cast<std::byte>(m.kind);
   ++stats_.ipc_exports;
   return true;
 }
+
 
 inline void connection::written(frame& f, bool in_event) noexcept {
   const bool single = single_copy_out(f) || ipc_out(f);
@@ -266,6 +270,7 @@ inline bool connection::start_ipc_copy(const proto::rx_plan& plan, const copy_en
                                         std::uint64_t off) noexcept {
   skip_ = 0;
   if (plan.want == 0) {  // nothing of it wanted (a dropped message)
+    if (m.fd >= 0) ::close(m.fd);
     count_copied();
     on_placed(true);
     if (take_waiter(rx_.control().writer_waiting)) ring_peer();
@@ -332,7 +337,8 @@ inline void connection::on_gpu_done(copy_engine::completion* node, std::error_co
 inline bool connection::parse_one(std::size_t& avail) noexcept {
   std::byte h[wire::header_size];
   rx_.peek(h, 0, wire::header_size);
-  const bool ipc = h[ipc_mark] == std::byte{1};
+  const std::byte mark = h[ipc_mark];
+  const bool ipc = ipc_marked(mark);
   if (ipc) {
     if (!parts_.device_ipc) {
       protocol_fail(gdr::tcp::frame_status::bad_field);  // not agreed
@@ -385,6 +391,13 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   if (ipc) {
     rx_.consume(wire::header_size + ipc_body);
     avail -= wire::header_size + ipc_body;
+    if (mark == std::byte{2}) {
+      m.kind = copy_engine::ipc_kind::fd;
+      if ((m.fd = take_fd(m)) < 0) {
+        protocol_fail(gdr::tcp::frame_status::bad_field);
+        return false;
+      }
+    }
     return start_ipc_copy(plan, m, off);
   }
   if (single) {
@@ -492,7 +505,7 @@ inline bool connection::unread_ends_with_close() const noexcept {
     if (r.status != gdr::tcp::frame_status::ok) return false;
     h[ipc_mark] = mark;
     close_last = r.header.type == proto::msg::close;
-    const bool ipc = h[ipc_mark] == std::byte{1};
+    const bool ipc = ipc_marked(h[ipc_mark]);
     const std::uint64_t body = ipc ? ipc_body : single_copy_in(r.header) ? sizeof(std::uint64_t) : r.header.length;
     if (body > avail - at - wire::header_size) return false;  // cut off in its payload
     at += wire::header_size + static_cast<std::size_t>(body);
@@ -506,7 +519,11 @@ inline poll_status connection::poll_ring() noexcept {
   if (!live_) return {};
   bool corrupt = false;
   const bool rx_ready = reading() && (rx_.readable(corrupt) != 0 || corrupt);
-  const bool tx_ready = tx_blocked_ && !failed() && tx_.room() != 0;
+  // A descriptor the full socket refused is tried again after a while,
+  // at every poll when busy-polling.
+  const bool tx_ready = tx_blocked_ && !failed() && tx_.room() != 0 &&
+                        (!sock_blocked_ || sched().mode() == run_mode::busy_poll ||
+                         std::chrono::steady_clock::now() >= sock_retry_at_);
   const bool copies_ready =
       !sent_.empty() && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_;
   if (rx_ready || tx_ready || copies_ready) {
@@ -535,6 +552,7 @@ inline poll_status connection::arm() noexcept {
     return {.did_work = true};
   arm_bell();
   if (!bell_inflight_) return {.sleep_bound = std::chrono::milliseconds(1)};  // no SQE: look again soon
+  if (want_tx && sock_blocked_) return {.sleep_bound = std::chrono::microseconds(100)};
   return {};
 }
 
@@ -563,6 +581,7 @@ inline void connection::on_kick(remote_work* w) noexcept {
   proto::event_scope ev(*c);
   c->kick_posted_ = false;
   if (c->export_failed_ && !c->failed()) c->on_link_failed(errc::unsupported);
+  if (c->fail_due_ && !c->failed()) c->on_link_failed(c->fail_due_);
   c->return_finished();
   if (!c->sent_.empty()) c->settle_copied(true);
   if (c->reading()) c->pump();

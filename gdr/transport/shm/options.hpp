@@ -93,6 +93,9 @@ struct endpoint_stats : protocol_stats {
   bool reads_peer = false;          ///< this side copies the peer's large payloads itself
   std::uint64_t ipc_copies = 0;     ///< Device payloads this side's GPU copied out of the peer's memory (CUDA IPC)
   std::uint64_t ipc_exports = 0;    ///< Device payloads of this side's that went as CUDA IPC descriptors
+  std::uint64_t fds_passed = 0;     ///< of them, with their allocation's file descriptor over the socket
+  std::uint64_t fds_taken = 0;      ///< descriptors the peer passed that this side took
+  std::uint64_t fd_socket_full = 0; ///< times a descriptor waited: the peer had not taken those before it
   std::uint64_t ring_gpu_copies = 0;  ///< pieces of host payloads copied from the ring into Device memory
   bool device_ipc = false;          ///< Device memory moves by CUDA IPC on this endpoint (else staged)
 };

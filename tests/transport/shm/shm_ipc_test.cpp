@@ -15,6 +15,7 @@
 // (16 MiB without a GPU) in both directions at once on several tags, an
 // allocation freed and made again at the same address between two sends,
 // and the owner or the importer killed in the middle of a copy.
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -109,11 +110,36 @@ void run_both(Body body) {
 
 gdr::view<std::byte, gdr::Host> host(std::vector<std::byte>& v) { return {v.data(), v.size()}; }
 
+std::string alloc_name(staged::dev_alloc a) { return a == staged::dev_alloc::shareable ? "shareable" : "plain"; }
+
+/// Runs `body()` once for each way Device memory is allocated: the
+/// caller's own (`cudaMalloc`, legacy IPC handles) and gdr's shareable
+/// allocations (file descriptors over the socket).
+template <class Body>
+void for_each_alloc(Body body) {
+  for (staged::dev_alloc a : {staged::dev_alloc::plain, staged::dev_alloc::shareable}) {
+    const std::string allocation = alloc_name(a);
+    CAPTURE(allocation);
+    staged::default_alloc = a;
+    body(a);
+  }
+  staged::default_alloc = staged::dev_alloc::plain;
+}
+
+/// Descriptors open in this process.
+std::size_t open_fds() {
+  std::size_t n = 0;
+  for (int fd = 0; fd < 65536; ++fd) n += ::fcntl(fd, F_GETFD) != -1;
+  return n;
+}
+
 }  // namespace
 
 TEST_CASE("Device messages go by CUDA IPC: every size, both directions at once, several tags") {
   IPC_REQUIRE_DEVICE();
   const std::vector<std::size_t> sizes = {0, 1, 8, 4095, 16 * 1024, 64 * 1024 + 3, (1u << 20) + 7, 8u << 20};
+  for_each_alloc([&](staged::dev_alloc how) {
+  const std::size_t fds_before = open_fds();
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env&) -> gdr::task<> {
     CHECK(a.device_ipc());
     CHECK(b.device_ipc());
@@ -146,7 +172,18 @@ TEST_CASE("Device messages go by CUDA IPC: every size, both directions at once, 
     CHECK(b.stats().ipc_exports == sizes.size() - 1);
     CHECK(a.stats().rendezvous_sends == sizes.size() - 1);  // Device sends announce themselves at any size but 0
     CHECK(a.last_path() == transfer_path::cuda_ipc);
+    // Shareable allocations travel as descriptors: one passed per frame,
+    // each taken by the other side; the others, none.
+    const std::uint64_t want_fds = how == staged::dev_alloc::shareable ? sizes.size() - 1 : 0;
+    CHECK(b.stats().fds_passed == want_fds);
+    CHECK(a.stats().fds_taken == want_fds);
+    CHECK(a.stats().fds_passed == want_fds);
+    CHECK(b.stats().fds_taken == want_fds);
     co_await a.close();
+  });
+  // Every descriptor passed was closed: by the importer once used, by the
+  // owner with its allocation.
+  CHECK(open_fds() == fds_before);
   });
 }
 
@@ -277,6 +314,43 @@ TEST_CASE("a Device message larger than its Device receive is truncated by CUDA 
   });
 }
 
+TEST_CASE("descriptors of shareable allocations wait in their queue while the socket is full, and every message arrives") {
+  IPC_REQUIRE_DEVICE();
+  if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (holding the copies)");
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
+    // Many Device messages out of one shareable allocation: each frame
+    // passes the allocation's descriptor. The importer's copies are held,
+    // so its reader stops at the first; the writer goes on until the
+    // socket refuses descriptors, then waits (and nothing else does).
+    constexpr std::size_t count = 1500, each = 64;
+    auto p = pattern(count * each, 21);
+    staged::dev_mem src(count * each, 0, staged::dev_alloc::shareable), dst(count * each);
+    src.fill(p);
+    dst.set(std::byte{0});
+    env.hold();
+    std::vector<gdr::task<op_report>> ops;
+    for (std::size_t i = 0; i < count; ++i) {
+      ops.push_back(report_of(b.recv(dst.view().subview(i * each, each), tag{1})));
+      ops.push_back(report_of(a.send(src.view().subview(i * each, each), tag{1})));
+    }
+    auto releaser = [](staged::env& e) -> gdr::task<op_report> {
+      co_await gdr::sleep_for(50ms);
+      e.release();
+      co_return op_report{};
+    };
+    ops.push_back(releaser(env));
+    std::vector<op_report> done = co_await gdr::when_all(std::move(ops));
+    for (const op_report& r : done) CHECK(!r.error);
+    CHECK(dst.read() == p);
+    MESSAGE("descriptors passed " << a.stats().fds_passed << ", the socket full " << a.stats().fd_socket_full
+                                  << " times");
+    CHECK(a.stats().fds_passed == count);
+    CHECK(b.stats().fds_taken == count);
+    CHECK(a.stats().fd_socket_full >= 1);
+    co_await a.close();
+  });
+}
+
 TEST_CASE("a Device receive stopped while its CUDA IPC copy runs is released only once the copy is done") {
   IPC_REQUIRE_DEVICE();
   if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (holding a copy)");
@@ -390,7 +464,8 @@ pid_t spawn_peer(const std::string& scenario, const std::string& name) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  std::vector<std::string> env = {"GDR_SHM_IPC_PEER=" + scenario, "GDR_SHM_IPC_NAME=" + name};
+  std::vector<std::string> env = {"GDR_SHM_IPC_PEER=" + scenario, "GDR_SHM_IPC_NAME=" + name,
+                                  "GDR_SHM_IPC_ALLOC=" + alloc_name(staged::default_alloc)};
   for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
   std::vector<char*> envp;
   for (auto& e : env) envp.push_back(e.data());
@@ -490,6 +565,8 @@ TEST_CASE("shm ipc peer (the peer process of the cross-process cases; runs only 
   const char* name = std::getenv("GDR_SHM_IPC_NAME");
   REQUIRE(scenario != nullptr);
   REQUIRE(name != nullptr);
+  if (const char* a = std::getenv("GDR_SHM_IPC_ALLOC"); a != nullptr && std::string(a) == "shareable")
+    staged::default_alloc = staged::dev_alloc::shareable;
   bool ok = false;
   {
     gdr::scheduler s;
@@ -537,7 +614,8 @@ void with_peer(const std::string& scenario, Body body, pid_t* peer_out = nullptr
 TEST_CASE("two processes exchange Device messages by CUDA IPC, every byte checked, both directions, 0 B to 1 GiB") {
   IPC_REQUIRE_DEVICE();
   if (std::string why = cross_process_unavailable(); !why.empty()) GDR_SKIP(why);
-  with_peer("exchange", [](shm::endpoint& ep, staged::env&, pid_t) -> gdr::task<> {
+  for_each_alloc([](staged::dev_alloc how) {
+  with_peer("exchange", [how](shm::endpoint& ep, staged::env& env, pid_t) -> gdr::task<> {
     std::uint32_t i = 0;
     for (std::size_t n : exchange_sizes()) {
       CAPTURE(n);
@@ -561,14 +639,29 @@ TEST_CASE("two processes exchange Device messages by CUDA IPC, every byte checke
       CHECK(std::equal(p.begin(), p.end(), got.begin()));
     }
     CHECK(ep.stats().ipc_copies >= exchange_sizes().size() - 1);
+    if (how == staged::dev_alloc::shareable) {
+      // Each of the peer's payloads came with its allocation's descriptor,
+      // and the peer's allocations were mapped here from them.
+      CHECK(ep.stats().fds_taken >= 2 * (exchange_sizes().size() - 1));
+      CHECK(ep.stats().fds_passed == exchange_sizes().size() - 1);
+#if GDR_HAS_CUDA
+      MESSAGE("mapped from descriptors: " << env.ev.ipc().stats().fd_imports << ", hits "
+                                          << env.ev.ipc().stats().hits);
+      CHECK(env.ev.ipc().stats().fd_imports >= 1);
+#else
+      CHECK(env.ce.fd_imports >= 1);
+#endif
+    }
     co_await ep.close();
+  });
   });
 }
 
 TEST_CASE("an allocation freed and made again at the same address between two sends is never read through a stale mapping") {
   IPC_REQUIRE_DEVICE();
   if (std::string why = cross_process_unavailable(); !why.empty()) GDR_SKIP(why);
-  with_peer("reuse", [](shm::endpoint& ep, staged::env&, pid_t) -> gdr::task<> {
+  for_each_alloc([](staged::dev_alloc how) {
+  with_peer("reuse", [how](shm::endpoint& ep, staged::env& env, pid_t) -> gdr::task<> {
     const std::size_t n = 1u << 20;
     std::uint64_t first = 0;
     int same = 0;
@@ -581,20 +674,31 @@ TEST_CASE("an allocation freed and made again at the same address between two se
       if (k == 0) first = where;
       else same += where == first;
     }
-    MESSAGE("the peer's allocations came back at the same address " << same << " of 2 times");
+    MESSAGE("the peer's allocations (" << alloc_name(how) << ") came back at the same address " << same
+                                       << " of 2 times");
 #if GDR_HAS_CUDA
+    (void)env;
     if (gdr::cuda::event_poller* ev = gdr::cuda::event_poller::of(ep.get_scheduler())) {
       MESSAGE("imports " << ev->ipc().stats().imports << ", stale hits replaced " << ev->ipc().stats().stale);
       if (same != 0) CHECK(ev->ipc().stats().stale + ev->ipc().stats().imports >= 3);
     }
+#else
+    // Every allocation was mapped afresh: an address seen again with
+    // another id replaced the old mapping.
+    if (how == staged::dev_alloc::shareable) {
+      CHECK(env.ce.fd_imports == 3);
+      CHECK(env.ce.fd_stale == static_cast<std::size_t>(same));
+    }
 #endif
     co_await ep.close();
+  });
   });
 }
 
 TEST_CASE("the owner or the importer killed in the middle of a CUDA IPC copy: pending operations fail within 2 s, the survivor goes on") {
   IPC_REQUIRE_DEVICE();
   if (std::string why = cross_process_unavailable(); !why.empty()) GDR_SKIP(why);
+  for_each_alloc([](staged::dev_alloc) {
   for (const char* scenario : {"send-forever", "recv-forever"}) {
     CAPTURE(scenario);
     const bool peer_sends = std::string(scenario) == "send-forever";
@@ -632,6 +736,7 @@ TEST_CASE("the owner or the importer killed in the middle of a CUDA IPC copy: pe
 #endif
     });
   }
+  });
   // The survivor goes on: a fresh peer exchanges as before.
   with_peer("reuse", [](shm::endpoint& ep, staged::env&, pid_t) -> gdr::task<> {
     for (std::uint32_t k = 0; k < 3; ++k) {
