@@ -200,6 +200,47 @@ TEST_CASE("a Device receive refuses an eager message, which stays receivable int
   });
 }
 
+/// The puts and gets of the two put/get cases, at 8 B, 5000 B and `max`:
+/// host to `a`'s peer's Device memory (`drv`, `2 * max` bytes: puts from
+/// host land in the first half, from Device in the second) and back, Device
+/// to the peer's host memory (`hrv`) and back, Device to Device. The CPU
+/// may touch neither Device buffer while they run (only the NICs do); every
+/// byte is checked after.
+template <class Ep>
+gdr::task<> put_get_rounds(Ep& a, nic_memory& exposed, nic_memory& local, std::vector<std::byte>& hexposed,
+                           const gdr::remote_view<std::byte, gdr::Device>& drv,
+                           const gdr::remote_view<std::byte, gdr::Host>& hrv, std::size_t max) {
+  for (std::size_t n : {std::size_t{8}, std::size_t{5000}, max}) {
+    CAPTURE(n);
+    auto h = pattern(n, static_cast<std::uint32_t>(n));
+    fill(local.data(), n, static_cast<std::uint32_t>(n) + 1);
+    auto lcopy = std::vector<std::byte>(local.data(), local.data() + n);
+    exposed.lock();
+    local.lock();
+    // Host -> Remote<Device>, and back.
+    auto p1 = co_await report_of(a.put(host(h), drv));
+    std::vector<std::byte> back(n);
+    auto g1 = co_await report_of(a.get(host(back), drv));
+    // Device -> Remote<Host>, and Remote<Host> -> Device.
+    auto p2 = co_await report_of(a.put(local.device(n), hrv));
+    auto g2 = co_await report_of(a.get(local.device(n, max - n), hrv));
+    // Device -> Remote<Device>.
+    auto p3 = co_await report_of(a.put(local.device(n), drv.subview(max, n)));
+    exposed.unlock();
+    local.unlock();
+    for (auto* r : {&p1, &g1, &p2, &g2, &p3}) {
+      CHECK(!r->error);
+      CHECK(r->bytes == n);
+      CHECK(r->path == gdr::transfer_path::gpudirect_rdma);
+    }
+    CHECK(same(exposed.data(), h.data(), n));
+    CHECK(back == h);
+    CHECK(same(hexposed.data(), lcopy.data(), n));
+    CHECK(same(local.data() + (max - n), lcopy.data(), n));
+    CHECK(same(exposed.data() + max, lcopy.data(), n));
+  }
+}
+
 TEST_CASE("puts and gets between host and Device memory, small and large, move by the NIC alone") {
   REQUIRE_VERBS();
   stand_in s;
@@ -216,35 +257,7 @@ TEST_CASE("puts and gets between host and Device memory, small and large, move b
     co_await a.put(host(warm), drv);
     co_await a.get(local.device(max), hrv);
     co_await a.put(local.device(max), hrv);
-    for (std::size_t n : {std::size_t{8}, std::size_t{5000}, max}) {
-      CAPTURE(n);
-      auto h = pattern(n, static_cast<std::uint32_t>(n));
-      fill(local.data(), n, static_cast<std::uint32_t>(n) + 1);
-      auto lcopy = std::vector<std::byte>(local.data(), local.data() + n);
-      exposed.lock();
-      local.lock();
-      // Host -> Remote<Device>, and back.
-      auto p1 = co_await report_of(a.put(host(h), drv));
-      std::vector<std::byte> back(n);
-      auto g1 = co_await report_of(a.get(host(back), drv));
-      // Device -> Remote<Host>, and Remote<Host> -> Device.
-      auto p2 = co_await report_of(a.put(local.device(n), hrv));
-      auto g2 = co_await report_of(a.get(local.device(n, max - n), hrv));
-      // Device -> Remote<Device>.
-      auto p3 = co_await report_of(a.put(local.device(n), drv.subview(max, n)));
-      exposed.unlock();
-      local.unlock();
-      for (auto* r : {&p1, &g1, &p2, &g2, &p3}) {
-        CHECK(!r->error);
-        CHECK(r->bytes == n);
-        CHECK(r->path == gdr::transfer_path::gpudirect_rdma);
-      }
-      CHECK(same(exposed.data(), h.data(), n));
-      CHECK(back == h);
-      CHECK(same(hexposed.data(), lcopy.data(), n));
-      CHECK(same(local.data() + (max - n), lcopy.data(), n));
-      CHECK(same(exposed.data() + max, lcopy.data(), n));
-    }
+    co_await put_get_rounds(a, exposed, local, hexposed, drv, hrv, max);
     CHECK(b.stats().rdma_read > 0);  // b's NIC read the puts' sources
     co_await a.close();
   });
@@ -265,32 +278,7 @@ TEST_CASE("direct puts and gets into exposed Device memory move by the initiator
     CHECK(drv.nic_exposed());
     CHECK(hrv.nic_exposed());
     const auto served_before = b.stats().served_puts + b.stats().served_gets;
-    for (std::size_t n : {std::size_t{8}, std::size_t{5000}, max}) {
-      CAPTURE(n);
-      auto h = pattern(n, static_cast<std::uint32_t>(n));
-      fill(local.data(), n, static_cast<std::uint32_t>(n) + 1);
-      auto lcopy = std::vector<std::byte>(local.data(), local.data() + n);
-      exposed.lock();
-      local.lock();  // the CPU may touch neither: only the NICs do
-      auto p1 = co_await report_of(a.put(host(h), drv));
-      std::vector<std::byte> back(n);
-      auto g1 = co_await report_of(a.get(host(back), drv));
-      auto p2 = co_await report_of(a.put(local.device(n), hrv));
-      auto g2 = co_await report_of(a.get(local.device(n, max - n), hrv));
-      auto p3 = co_await report_of(a.put(local.device(n), drv.subview(max, n)));
-      exposed.unlock();
-      local.unlock();
-      for (auto* r : {&p1, &g1, &p2, &g2, &p3}) {
-        CHECK(!r->error);
-        CHECK(r->bytes == n);
-        CHECK(r->path == gdr::transfer_path::gpudirect_rdma);
-      }
-      CHECK(same(exposed.data(), h.data(), n));
-      CHECK(back == h);
-      CHECK(same(hexposed.data(), lcopy.data(), n));
-      CHECK(same(local.data() + (max - n), lcopy.data(), n));
-      CHECK(same(exposed.data() + max, lcopy.data(), n));
-    }
+    co_await put_get_rounds(a, exposed, local, hexposed, drv, hrv, max);
     CHECK(b.stats().served_puts + b.stats().served_gets == served_before);  // b's loop took no part
     CHECK(a.stats().direct_wrs > 0);
     co_await a.close();

@@ -2,7 +2,7 @@
 // direct puts into its exposed memory (the hand-off of a KV cache whose
 // receiver dies): the batch and everything else pending fail within 2 s,
 // nothing hangs. Its own binary: the owner is a child forked before this
-// process has touched rdma_cm or registered memory. Needs an RDMA device and
+// process has touched rdma_cm or registered memory (forked_peer.hpp). Needs an RDMA device and
 // GDR_VERBS_IP; skips with the reason otherwise.
 #include <doctest/doctest.h>
 
@@ -26,6 +26,7 @@
 
 #include "tests/support/skip.hpp"
 #include "tests/support/watchdog.hpp"
+#include "tests/verbs/forked_peer.hpp"
 #include "tests/verbs/verbs_fixture.hpp"
 
 using namespace std::chrono_literals;
@@ -40,39 +41,16 @@ gdr::task<gdr::op_report> report_of(Op op) {
 TEST_CASE("when the owner is killed mid-batch, the batch and every pending operation fail within 2 seconds") {
   if (std::string why = conformance::verbs_skip_reason(); !why.empty()) GDR_SKIP(why);
   std::string ip = conformance::verbs_ip();
-  using view_t = gdr::remote_view<std::byte, gdr::Host>;
-  int ready[2], port_pipe[2];
-  REQUIRE(::pipe(ready) == 0);
-  REQUIRE(::pipe(port_pipe) == 0);
   const std::size_t blk = 16 * 1024, count = 512;
-  pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    std::uint16_t port = 0;
-    if (::read(port_pipe[0], &port, sizeof port) != sizeof port) ::_exit(2);
-    std::vector<std::byte> pool(blk * count);
-    auto reg = gdr::register_memory(gdr::host_view(pool));
-    gdr::scheduler s;
-    gdr::sync_wait(s, [&]() -> gdr::task<> {
-      auto ep = co_await gdr::verbs::connect(s, ip + ":" + std::to_string(port), ip + ":0");
-      auto w = reg.describe(0).to_wire();  // with the NIC key, now that the device's domain has it
-      (void)!::write(ready[1], w.data(), w.size());
-      co_await gdr::sleep_for(s, 60s);
-    }());
-    ::_exit(0);
-  }
+  gdr_test_support::forked_peer owner(ip, blk * count);
   gdr_test_support::watchdog dog(60);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     gdr::verbs::listener l(sched, ip + ":0");
-    std::uint16_t port = l.port();
-    (void)!::write(port_pipe[1], &port, sizeof port);
+    owner.tell_port(l.port());
     gdr::verbs::endpoint ep = co_await l.accept();
-    std::array<std::byte, view_t::wire_size> w{};
-    REQUIRE(::read(ready[0], w.data(), w.size()) == static_cast<ssize_t>(w.size()));
-    gdr::result<view_t> rv = view_t::from_wire(w);
-    REQUIRE(rv);
-    REQUIRE(rv->nic_exposed());
+    const auto rv = owner.window();
+    REQUIRE(rv.nic_exposed());
     std::vector<std::byte> local(blk * count, std::byte{3});
     std::vector<gdr::block> blocks;
     for (std::size_t i = 0; i < count; ++i) blocks.push_back({i * blk, ((i * 101) % count) * blk, blk});
@@ -84,7 +62,7 @@ TEST_CASE("when the owner is killed mid-batch, the batch and every pending opera
     std::vector<std::byte> in(8);
     auto pusher = [&]() -> gdr::task<int> {
       while (!stop) {
-        last = co_await report_of(ep.put_batch(gdr::host_view(local), *rv, blocks));
+        last = co_await report_of(ep.put_batch(gdr::host_view(local), rv, blocks));
         if (last.error) {
           failed = std::chrono::steady_clock::now();
           break;
@@ -100,7 +78,7 @@ TEST_CASE("when the owner is killed mid-batch, the batch and every pending opera
     auto killer = [&]() -> gdr::task<int> {
       while (batches < 3) co_await gdr::sleep_for(1ms);
       killed = std::chrono::steady_clock::now();
-      ::kill(child, SIGKILL);
+      ::kill(owner.pid(), SIGKILL);
       while (!last.error && !stop && std::chrono::steady_clock::now() - killed < 5s) co_await gdr::sleep_for(1ms);
       stop = true;
       co_return 0;
@@ -115,7 +93,5 @@ TEST_CASE("when the owner is killed mid-batch, the batch and every pending opera
     CHECK(took < 2s);
   }());
   sched.drain();
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  CHECK(WIFSIGNALED(status));
+  CHECK(WIFSIGNALED(owner.wait()));
 }

@@ -26,6 +26,7 @@
 
 #include "tests/support/skip.hpp"
 #include "tests/support/watchdog.hpp"
+#include "tests/verbs/forked_peer.hpp"
 #include "tests/verbs/verbs_fixture.hpp"
 
 using namespace std::chrono_literals;
@@ -48,45 +49,19 @@ gdr::task<gdr::op_report> report_of(Op op) {
 TEST_CASE("when the peer process is killed, every pending operation fails within 2 seconds") {
   if (std::string why = conformance::verbs_skip_reason(); !why.empty()) GDR_SKIP(why);
   std::string ip = conformance::verbs_ip();
-  // The peer's exposed window: a remote_view's parts.
-  struct window_desc {
-    std::uint64_t addr, size, key;
-  };
-  int ready[2];
-  REQUIRE(::pipe(ready) == 0);
-  // The listener's port, chosen by the parent before the child connects.
-  int port_pipe[2];
-  REQUIRE(::pipe(port_pipe) == 0);
-  pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    // The peer: connects, says so, and waits to be killed.
-    // It exposes 32 MiB that this side puts into and gets from (its NIC
-    // reads the put and writes the get when it is killed).
-    std::uint16_t port = 0;
-    if (::read(port_pipe[0], &port, sizeof port) != sizeof port) ::_exit(2);
-    std::vector<std::byte> window(32u << 20);
-    auto reg = gdr::register_memory(gdr::host_view(window));
-    auto rv = reg.describe(0);
-    gdr::scheduler s;
-    gdr::sync_wait(s, [&]() -> gdr::task<> {
-      auto ep = co_await gdr::verbs::connect(s, ip + ":" + std::to_string(port), ip + ":0");
-      window_desc d{rv.address(), rv.size(), rv.key()};
-      (void)!::write(ready[1], &d, sizeof d);
-      co_await gdr::sleep_for(s, 60s);
-    }());
-    ::_exit(0);
-  }
+  // The peer exposes 32 MiB that this side puts into and gets from (its
+  // NIC reads the put and writes the get when it is killed).
+  gdr_test_support::forked_peer peer(ip, 32u << 20);
   gdr_test_support::watchdog dog(60);
   gdr::scheduler sched;
   gdr::sync_wait(sched, [&]() -> gdr::task<> {
     gdr::verbs::listener l(sched, ip + ":0");
-    std::uint16_t port = l.port();
-    (void)!::write(port_pipe[1], &port, sizeof port);
+    peer.tell_port(l.port());
     gdr::verbs::endpoint ep = co_await l.accept();
-    window_desc d{};
-    REQUIRE(::read(ready[0], &d, sizeof d) == sizeof d);
-    gdr::remote_view<std::byte, gdr::Host> rv(d.addr, d.size, d.key, 0);
+    // Its window without the NIC key: the put and the get are served by
+    // the peer (the rendezvous and RDMA of the message channel).
+    const auto w = peer.window();
+    gdr::remote_view<std::byte, gdr::Host> rv(w.address(), w.size(), w.key(), 0);
     std::vector<std::byte> in(64);
     auto big = pattern(1u << 20);
     auto src = pattern(16u << 20);
@@ -100,7 +75,7 @@ TEST_CASE("when the peer process is killed, every pending operation fails within
         [&]() -> gdr::task<int> {
           co_await gdr::sleep_for(20ms);
           killed = std::chrono::steady_clock::now();
-          ::kill(child, SIGKILL);
+          ::kill(peer.pid(), SIGKILL);
           co_return 0;
         }());
     auto took = std::chrono::steady_clock::now() - killed;
@@ -115,9 +90,7 @@ TEST_CASE("when the peer process is killed, every pending operation fails within
     CHECK(ep.stats().registrations >= 2);
   }());
   sched.drain();
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  CHECK(WIFSIGNALED(status));
+  CHECK(WIFSIGNALED(peer.wait()));
 }
 
 
