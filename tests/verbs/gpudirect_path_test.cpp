@@ -285,6 +285,42 @@ TEST_CASE("direct puts and gets into exposed Device memory move by the initiator
   });
 }
 
+TEST_CASE("direct puts into the peer's GPU memory are flushed by a READ: at flush(), and before a notification") {
+  REQUIRE_VERBS();
+  stand_in s;
+  with_pair([](auto& a, auto& b) -> gdr::task<> {
+    const std::size_t n = 64 * 1024;
+    nic_memory exposed(2 * n);
+    std::vector<std::byte> hexposed(n);
+    auto dreg = gdr::register_memory(exposed.device());
+    auto hreg = gdr::register_memory(host(hexposed));
+    auto drv = dreg.describe(0);
+    auto hrv = hreg.describe(0);
+    auto h = pattern(n, 41), h2 = pattern(n, 42);
+    // Into host memory: nothing to flush (a zero-length WRITE).
+    co_await a.put(host(h), hrv);
+    CHECK(co_await a.flush() == 0);
+    CHECK(a.stats().gpu_flush_reads == 0);
+    // Into GPU memory: the flush is a READ of what was written; a second
+    // flush has nothing left to flush.
+    co_await a.put(host(h), drv);
+    CHECK(co_await a.flush() == 0);
+    CHECK(a.stats().gpu_flush_reads == 1);
+    CHECK(co_await a.flush() == 0);
+    CHECK(a.stats().gpu_flush_reads == 1);
+    // A notifying put into GPU memory: its WRITE, a READ, then the
+    // notification alone; the owner hears of it with every byte there.
+    co_await a.put_notify(host(h2), drv.subview(n, n), 77);
+    CHECK(a.stats().gpu_flush_reads == 2);
+    std::uint32_t v = co_await b.notification();
+    CHECK(v == 77);
+    CHECK(same(exposed.data(), h.data(), n));
+    CHECK(same(exposed.data() + n, h2.data(), n));
+    CHECK(b.stats().served_puts == 0);
+    co_await a.close();
+  });
+}
+
 TEST_CASE("both ends must be GPUDirect endpoints, or neither: both sides say why") {
   REQUIRE_VERBS();
   stand_in s;

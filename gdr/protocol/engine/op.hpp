@@ -112,6 +112,8 @@ class op : private gdr::detail::cancellable<op> {
   bool is_flush() const noexcept { return flush_; }
   /// GPUDirect: the local memory is Device memory of this GPU (-1: host).
   int local_device() const noexcept { return nic_dev_; }
+  /// The peer's memory is GPU memory (a GPUDirect put or get).
+  bool remote_device() const noexcept { return remote_nic_; }
   const block* batch() const noexcept { return batch_; }
   std::size_t batch_size() const noexcept { return nbatch_; }
   /// The transport's link while it holds the operation (a queue of its own).

@@ -648,6 +648,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   std::error_code lane_post_receives() noexcept;
   void lane_start(const conn_params& peer) noexcept;
   lane_piece lane_piece_of(const lane_job& j, std::size_t i) noexcept;
+  void lane_plan_gpu_flush(lane_job& j) noexcept;
   void lane_pump() noexcept;
   std::error_code lane_local_memory(lane_job& j) noexcept;
   bool lane_post(lane_job& j) noexcept;
@@ -762,6 +763,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   lane_marker lane_marker_{};
   std::error_code lane_error_{};  // why the lane is shut
   std::uint32_t peer_lane_init_ = 0, peer_lane_target_ = 0;  // the peer's queue pair numbers
+  lane_target lane_gpu_dirty_{};  // the last direct put into the peer's GPU memory since a flush
   std::uint8_t lane_rd_atomic_ = 1;
   unsigned lane_inline_ = 0;
   std::uint32_t lane_depth_ = 0;  // jobs
@@ -793,4 +795,5 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 #include <gdr/transport/verbs/rdma_read.hpp>
 #include <gdr/transport/verbs/recv.hpp>
 #include <gdr/transport/verbs/rma.hpp>
+#include <gdr/transport/verbs/rma_faults.hpp>
 #include <gdr/transport/verbs/send.hpp>

@@ -34,6 +34,12 @@ inline constexpr std::uint8_t lane_ctl_reset = 1;  // ask the peer to reset its 
 inline constexpr std::uint8_t lane_ctl_ready = 2;  // tell the peer its target here is reset
 inline constexpr std::size_t lane_small = 256;                      // gets up to this land in the scratch
 inline constexpr std::size_t lane_piece_max = std::size_t{1} << 30;  // bytes per work request at most
+/// Where in the peer's registered memory: address and NIC key.
+struct lane_target {
+  std::uint64_t addr = 0;
+  std::uint32_t rkey = 0;
+  std::uint32_t bytes = 0;  // 0: none
+};
 struct lane_job : gdr::verbs::work {
   connection* c = nullptr;
   proto::op* o = nullptr;
@@ -54,6 +60,13 @@ struct lane_job : gdr::verbs::work {
   bool bounce = false;     // lands in `scratch` (a small get, an atomic)
   bool inl = false;        // a small put: its bytes go inline in the work request
   bool faulted = false;    // refused by the peer's NIC: fails once the lane is back (or with the connection)
+  /// The peer's GPU memory is flushed: a READ of `flush_at` (`flush_bytes`
+  /// bytes, into `scratch`) after the job's WRITEs; a notifying put then
+  /// sends its notification last, fenced behind the READ.
+  std::size_t data_pieces = 0;  // pieces that move the operation's bytes
+  bool flush_read = false;
+  std::uint32_t flush_bytes = 0;
+  lane_target flush_at{};
   lane_job* next_free = nullptr;
   lane_job* prev = nullptr;
   lane_job* next = nullptr;

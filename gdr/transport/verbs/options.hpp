@@ -106,6 +106,7 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t completions = 0;     ///< work completions of this connection (receives included)
   std::uint64_t direct_wrs = 0;      ///< one-sided lane: WRITE, READ and atomic work requests posted
   std::uint64_t direct_faults = 0;   ///< ... that the peer's NIC refused (remote access), each one operation failed
+  std::uint64_t gpu_flush_reads = 0; ///< ... READs that flushed direct puts into the peer's GPU memory (flush, put_notify)
   std::uint64_t lane_resets = 0;     ///< ... times the lane's queue pairs were made usable again after a fault
   std::uint64_t notifications = 0;   ///< notifying puts of the peer's that arrived
 };

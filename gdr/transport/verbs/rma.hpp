@@ -31,6 +31,21 @@
 /// completion says that every operation before it has been acknowledged by
 /// the peer's NIC.
 ///
+/// Flushing the peer's GPU memory. A NIC's writes into GPU memory may not be
+/// visible to the GPU when the NIC acknowledges them (on GPUs whose
+/// GPUDirect write ordering needs a flush; the owner's CPU, which would
+/// flush its own receives, is not involved here). A READ by the same NIC
+/// from that GPU memory is ordered after its writes on PCIe: when it
+/// returns, they have landed. So a put into the peer's GPU memory marks it
+/// unflushed (`lane_gpu_dirty_`, its first 8 bytes); a flush after it is a
+/// READ of those bytes instead of a zero-length WRITE; and a notifying put
+/// into GPU memory posts its WRITEs, a READ of what it wrote, then its
+/// notification alone, fenced behind the READ, so that the owner hears of
+/// it only once its GPU can see the bytes. Every GPU is treated so: the
+/// READ is one more round trip, on the flush or the notification only.
+/// (A flush reads from the last GPU region written: puts into GPU memory
+/// on several of the peer's GPUs need a flush after each GPU's.)
+///
 /// Faults. A remote access error (a revoked, forged or wrong key, a range
 /// the key does not cover, rights it does not grant) puts both queue pairs
 /// of the lane in the error state; every later work request comes back
@@ -286,6 +301,8 @@ inline void connection::lane_pump() noexcept {
     j->bounce = false;
     j->inl = false;
     j->faulted = false;
+    j->flush_read = false;
+    j->flush_at = {};
     j->lkey = 0;
     if (o->is_flush()) {
       j->pieces = 1;
@@ -294,6 +311,8 @@ inline void connection::lane_pump() noexcept {
     } else {
       j->pieces = std::max<std::size_t>(1, (o->local_size() + lane_piece_max - 1) / lane_piece_max);
     }
+    j->data_pieces = j->pieces;
+    lane_plan_gpu_flush(*j);
     if (std::error_code ec = lane_local_memory(*j)) {
       lane_free_job(*j);
       on_direct_done(*o, ec);
@@ -309,6 +328,33 @@ inline void connection::lane_pump() noexcept {
   for (lane_job* j = lane_active_.head; j != nullptr; j = j->next) {
     if (j->posted == j->pieces || j->faulted) continue;
     if (!lane_post(*j)) return;  // the send queue is full
+  }
+}
+
+/// GPUDirect write ordering (see "Flushing the peer's GPU memory" in the
+/// file comment): a put into the peer's GPU memory marks it unflushed; a
+/// flush then reads from it; a notifying put reads from what it wrote
+/// before its notification. Planned when the job is made, in posting order.
+inline void connection::lane_plan_gpu_flush(lane_job& j) noexcept {
+  proto::op& o = *j.o;
+  if (o.is_flush()) {
+    if (lane_gpu_dirty_.bytes != 0) {
+      j.flush_read = true;
+      j.flush_at = std::exchange(lane_gpu_dirty_, lane_target{});
+    }
+    return;
+  }
+  if (!o.remote_device() || o.is_get() || o.atomic_code() != 0 || j.pieces == 0) return;
+  const lane_piece first = lane_piece_of(j, 0);
+  if (first.bytes == 0) return;
+  const lane_target written{o.remote_address() + first.remote, o.nic_key(direct_domain()),
+                            static_cast<std::uint32_t>(std::min<std::size_t>(first.bytes, sizeof(std::uint64_t)))};
+  if (o.notifies()) {
+    j.flush_read = true;
+    j.flush_at = written;
+    j.pieces += 2;  // the READ, then the notification alone
+  } else {
+    lane_gpu_dirty_ = written;
   }
 }
 
@@ -365,8 +411,32 @@ inline bool connection::lane_post(lane_job& j) noexcept {
       wr.wr_id = j.wr_id();  // every one names its job: a flushed one comes back too
       wr.next = k + 1 < n ? &wrs[k + 1] : nullptr;
       if (k + 1 == n) wr.send_flags = IBV_SEND_SIGNALED;  // the last of the chain
+      if (j.flush_read && (o.is_flush() || i == j.data_pieces)) {
+        // The flush of the peer's GPU memory: its NIC reads after its writes.
+        wr.opcode = IBV_WR_RDMA_READ;
+        wr.wr.rdma.remote_addr = j.flush_at.addr;
+        wr.wr.rdma.rkey = j.flush_at.rkey;
+        sge.addr = reinterpret_cast<std::uintptr_t>(j.scratch);
+        sge.length = j.flush_at.bytes;
+        sge.lkey = lane_mr_.lkey();
+        wr.sg_list = &sge;
+        wr.num_sge = 1;
+        ++stats_.gpu_flush_reads;
+        continue;
+      }
       if (o.is_flush()) {
         wr.opcode = IBV_WR_RDMA_WRITE;  // zero bytes: no key is checked
+        wr.num_sge = 0;
+        continue;
+      }
+      if (i > j.data_pieces) {
+        // A notifying put into GPU memory: the notification alone, once
+        // the READ before it is done (the fence).
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        wr.imm_data = o.notify_value();
+        wr.send_flags |= IBV_SEND_FENCE;
+        wr.wr.rdma.remote_addr = j.flush_at.addr;
+        wr.wr.rdma.rkey = j.flush_at.rkey;
         wr.num_sge = 0;
         continue;
       }
@@ -384,7 +454,7 @@ inline bool connection::lane_post(lane_job& j) noexcept {
         wr.num_sge = 1;
         continue;
       }
-      const bool last = i + 1 == j.pieces;
+      const bool last = i + 1 == j.pieces;  // (a flushed job's notification is its own piece)
       wr.opcode = o.is_get() ? IBV_WR_RDMA_READ
                              : (last && o.notifies() ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE);
       if (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = o.notify_value();
@@ -529,237 +599,6 @@ inline void connection::lane_free_job(lane_job& j) noexcept {
   j.o = nullptr;
   j.next_free = lane_free_;
   lane_free_ = &j;
-}
-
-// ---------------------------------------------------------------- faults and resets
-
-/// The lane's queue pair is (or is put) in the error state; once the
-/// marker is back, it is reset (a fault) or done with (the end).
-inline void connection::lane_break() noexcept {
-  if (lane_phase_ == lane_phase::ready) lane_to(lane_phase::broken);
-  lane_mark();
-}
-
-/// Puts the initiator queue pair in the error state (a local error leaves
-/// it in RTS on some devices) and posts the marker, once.
-inline void connection::lane_mark() noexcept {
-  if (lane_marker_.posted || lane_init_ == nullptr) return;
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_ERR;
-  ibv_modify_qp(lane_init_, &a, IBV_QP_STATE);
-  if (lane_out_ == 0) {
-    // Nothing is with the NIC: nothing to wait for.
-    if (lane_phase_ == lane_phase::broken) lane_begin_reset();
-    return;
-  }
-  ibv_send_wr wr{};
-  wr.wr_id = lane_marker_.wr_id();
-  wr.opcode = IBV_WR_RDMA_WRITE;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  ibv_send_wr* bad = nullptr;
-  if (int rc = ibv_post_send(lane_init_, &wr, &bad)) {
-    // A device that refuses work on a queue pair in error: the lane's
-    // memory cannot be given back safely before teardown; fail the
-    // connection so that it is torn down (flushing everything).
-    gdr::detail::log("verbs", "posting the one-sided lane's marker: %s", std::strerror(rc));
-    if (!failed()) on_link_failed(errno_code(rc));
-    return;
-  }
-  lane_marker_.posted = true;
-}
-
-/// Every work request is back: reset this side's queue pair and ask the
-/// peer to reset its target; flushed pieces are posted again after.
-inline void connection::lane_begin_reset() noexcept {
-  lane_to(lane_phase::resetting);
-  for (lane_job* j = lane_active_.head; j != nullptr; j = j->next)
-    if (!j->faulted) j->posted = j->done;  // flushed: not executed
-  ++lane_gen_;
-  if (std::error_code ec = lane_reset_qp(lane_init_)) {
-    gdr::detail::log("verbs", "resetting the one-sided queue pair: %s", ec.message().c_str());
-    lane_shutdown(ec);
-    return;
-  }
-  lane_ctl_due_ |= lane_ctl_reset;
-  maybe_send_credits();  // sends it now if a send slot and a credit are there
-}
-
-/// The peer's lane control message (`wire_header::lane`).
-inline void connection::lane_control(const wire_header& w) noexcept {
-  if (lane_init_ == nullptr || lane_phase_ == lane_phase::shut) return;
-  if (w.type == wire_header::lane_reset) {
-    // The peer's initiator was reset: reset the target it connects to
-    // once the receives posted on it are back.
-    lane_peer_gen_ = static_cast<std::uint32_t>(w.id);
-    lane_target_reset_due_ = true;
-    ibv_qp_attr a{};
-    a.qp_state = IBV_QPS_ERR;
-    ibv_modify_qp(lane_target_, &a, IBV_QP_STATE);
-    lane_try_target_reset();
-  } else if (w.type == wire_header::lane_ready) {
-    if (lane_phase_ != lane_phase::resetting || static_cast<std::uint32_t>(w.id) != lane_gen_) return;  // stale
-    if (std::error_code ec = lane_connect(lane_init_, peer_lane_target_, false)) {
-      lane_shutdown(ec);
-      return;
-    }
-    ++stats_.lane_resets;
-    lane_to(lane_phase::ready);
-    for (lane_job* j = lane_active_.head; j != nullptr;) {
-      lane_job* next = j->next;
-      if (j->faulted) lane_end_job(*j, errc::remote_access);
-      j = next;
-    }
-    lane_pump();
-  }
-}
-
-inline void connection::lane_try_target_reset() noexcept {
-  if (!lane_target_reset_due_ || lane_rx_out_ != 0) return;
-  lane_target_reset_due_ = false;
-  std::error_code ec = lane_reset_qp(lane_target_);
-  if (!ec) ec = lane_connect(lane_target_, peer_lane_init_, true);
-  if (!ec) ec = lane_post_receives();
-  if (ec) {
-    gdr::detail::log("verbs", "resetting the one-sided target queue pair: %s", ec.message().c_str());
-    lane_shutdown(ec);
-    return;
-  }
-  lane_ctl_due_ |= lane_ctl_ready;
-  maybe_send_credits();
-}
-
-/// Sends the lane control message that is due, if a send slot and a
-/// credit allow (else the next pump tries again).
-inline void connection::lane_send_control() noexcept {
-  if (lane_ctl_due_ == 0 || !established_ || shut_ || failed()) return;
-  if (!credits_.can_consume(1) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return;
-  wire_header w;
-  w.kind = wire_header::lane;
-  // The answer to the peer's reset first (the peer's lane waits for it).
-  const bool ready = (lane_ctl_due_ & lane_ctl_ready) != 0;
-  w.type = ready ? wire_header::lane_ready : wire_header::lane_reset;
-  w.id = ready ? lane_peer_gen_ : lane_gen_;
-  lane_ctl_due_ &= static_cast<std::uint8_t>(~(ready ? lane_ctl_ready : lane_ctl_reset));
-  if (post_header(w, true) && lane_ctl_due_ != 0) lane_send_control();  // the other one, if due
-}
-
-// ---------------------------------------------------------------- the target side: notifications
-
-inline void connection::on_lane_rx(gdr::verbs::work* w, const ibv_wc& wc) noexcept {
-  auto* r = static_cast<lane_rx*>(w);
-  connection* c = r->c;
-  if (c == nullptr) return;  // its connection is gone (lane_teardown)
-  proto::event_scope ev(*c);
-  c->lane_rx_done(*r, wc);
-  c->on_io_done();
-}
-
-inline void connection::lane_rx_done(lane_rx& r, const ibv_wc& wc) noexcept {
-  --lane_rx_out_;
-  ++stats_.completions;
-  ++activity_;
-  if (wc.status != IBV_WC_SUCCESS) {
-    // Flushed: the target queue pair went to the error state (a fault of
-    // the peer's, or the end). The peer's reset posts every receive again.
-    lane_try_target_reset();
-    return;
-  }
-  if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-    ++stats_.notifications;
-    try {
-      notes_.push_back(wc.imm_data);
-    } catch (...) {
-      on_link_failed(errno_code(ENOMEM));
-      return;
-    }
-    wake_note_waiters();
-  }
-  if (shut_ || lane_target_reset_due_) {
-    lane_try_target_reset();
-    return;
-  }
-  ibv_recv_wr wr{};
-  wr.wr_id = r.wr_id();
-  wr.num_sge = 0;
-  ibv_recv_wr* bad = nullptr;
-  if (ibv_post_recv(lane_target_, &wr, &bad) == 0) ++lane_rx_out_;
-}
-
-inline bool connection::take_note(note_waiter& w) noexcept {
-  if (!notes_.empty()) {
-    w.value = notes_.front();
-    notes_.pop_front();
-    return true;
-  }
-  if (note_error_ || lane_init_ == nullptr) {
-    w.ec = note_error_ ? note_error_ : std::error_code(errc::unsupported);
-    return true;
-  }
-  w.run = [](remote_work* self) noexcept { static_cast<note_waiter*>(self)->h.resume(); };
-  w.queued = true;
-  w.next = nullptr;
-  (note_tail_ != nullptr ? note_tail_->next : note_head_) = &w;
-  note_tail_ = &w;
-  return false;
-}
-inline void connection::drop_note_waiter(note_waiter& w) noexcept {
-  if (!w.queued) return;
-  note_waiter* prev = nullptr;
-  for (note_waiter* x = note_head_; x != &w; x = x->next) prev = x;
-  (prev != nullptr ? prev->next : note_head_) = w.next;
-  if (note_tail_ == &w) note_tail_ = prev;
-  w.queued = false;
-}
-
-inline void connection::wake_note_waiters() noexcept {
-  while (note_head_ != nullptr && (!notes_.empty() || note_error_)) {
-    note_waiter* w = note_head_;
-    note_head_ = w->next;
-    if (note_head_ == nullptr) note_tail_ = nullptr;
-    w->queued = false;
-    if (!notes_.empty()) {
-      w->value = notes_.front();
-      notes_.pop_front();
-    } else {
-      w->ec = note_error_;
-    }
-    sched().post(w);
-  }
-}
-
-// ---------------------------------------------------------------- the end
-
-/// The connection failed or ends, or the lane cannot go on: everything
-/// waiting fails now, and what is posted when the marker is back.
-inline void connection::lane_shutdown(std::error_code ec) noexcept {
-  if (lane_init_ == nullptr) return;
-  if (!ec) ec = errc::connection_lost;
-  if (lane_phase_ != lane_phase::shut) {
-    lane_to(lane_phase::shut);
-    lane_error_ = ec;
-  }
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_ERR;
-  ibv_modify_qp(lane_target_, &a, IBV_QP_STATE);
-  lane_target_reset_due_ = false;
-  // Views reachable by the NIC are served by the peer from now on (the
-  // connection may still be usable; the log says why the lane is not).
-  set_direct_domain(0);
-  for (lane_job* j = lane_active_.head; j != nullptr;) {
-    lane_job* next = j->next;
-    if (j->out == 0) lane_end_job(*j, j->ec && !j->faulted ? j->ec : lane_error_);
-    j = next;
-  }
-  proto::op* o = std::exchange(lane_wait_head_, nullptr);
-  lane_wait_tail_ = nullptr;
-  while (o != nullptr) {
-    proto::op* next = std::exchange(o->direct_next, nullptr);
-    on_direct_done(*o, lane_error_);
-    o = next;
-  }
-  lane_mark();  // the rest when the marker is back
-  if (!note_error_) note_error_ = ec;
-  wake_note_waiters();
 }
 
 }  // namespace gdr::detail::verbs
