@@ -12,18 +12,13 @@ namespace gdr::cuda {
 
 inline std::error_code event_poller::ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device,
                                             std::size_t n, completion* c) noexcept {
-  // `src.fd` is this call's: `acquire` closes it; every return before it does.
-  auto refuse = [&](std::error_code ec) {
-    if (src.fd >= 0) ::close(src.fd);
-    return ec;
-  };
   if (n == 0 || dst == nullptr || c == nullptr || c->done == nullptr || src.device < 0 || offset > src.size ||
       n > src.size - offset)
-    return refuse(make_error_code(errc::invalid_argument));
-  if (!reserve_fifo()) return refuse(make_error_code(std::errc::not_enough_memory));
+    return make_error_code(errc::invalid_argument);
+  if (!reserve_fifo()) return make_error_code(std::errc::not_enough_memory);
   const int device = dst_device >= 0 ? dst_device : src.device;
   cudaStream_t s = nullptr;
-  if (std::error_code ec = copy_stream(device, ipc_slot, &s)) return refuse(ec);
+  if (std::error_code ec = copy_stream(device, ipc_slot, &s)) return ec;
   result<ipc_share::entry*> e = ipc_.acquire(src, device);
   if (!e) return e.error();
   copy_node* node = take_node();

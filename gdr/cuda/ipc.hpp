@@ -22,7 +22,7 @@
 ///
 /// Import. A peer's allocation is opened once (`cudaIpcOpenMemHandle`, or,
 /// for a descriptor, `vmm_map`: import, reserve, map, grant access to the
-/// GPU that copies; the descriptor is closed on a hit too) and
+/// GPU that copies; the transport keeps the descriptor) and
 /// kept in a cache keyed by (owner pid, GPU, base address); every hit is
 /// checked against the buffer id the owner sent, so a stale mapping (the
 /// owner freed the allocation and made another at the same address) is
@@ -233,14 +233,9 @@ class ipc_share {
   /// with the same buffer id), with one more reference; `release` it when
   /// the copy is done.
   /// `device`: the GPU that copies (a mapping from a descriptor is made
-  /// accessible to it). `m.fd` is taken: closed in every case.
+  /// accessible to it). `m.fd` is borrowed: imported from when the
+  /// allocation is not mapped yet, never closed here.
   result<entry*> acquire(const memory& m, int device) noexcept {
-    struct fd_closer {
-      int fd;
-      ~fd_closer() {
-        if (fd >= 0) ::close(fd);
-      }
-    } fd_owner{m.fd};
     const key k{m.pid, m.device, m.base};
     auto it = open_.find(k);
     if (it != open_.end()) {
@@ -266,7 +261,7 @@ class ipc_share {
     } else if (m.kind == copy_engine::ipc_kind::fd) {
       if (m.fd < 0) return make_error_code(errc::invalid_argument);
       const auto t0 = std::chrono::steady_clock::now();
-      result<void*> p = vmm_map(std::exchange(fd_owner.fd, -1), static_cast<std::size_t>(m.size), device);
+      result<void*> p = vmm_map(m.fd, static_cast<std::size_t>(m.size), device);
       if (!p) return p.error();
       note_import(t0);
       ++stats_.fd_imports;

@@ -340,19 +340,15 @@ class vmm_registry {
 };
 
 /// The importer's half: maps a peer's allocation from its descriptor `fd`
-/// (always closed here) for access by GPU `device`. The mapping holds the
-/// memory until `vmm_unmap`.
+/// (the caller's: not closed here) for access by GPU `device`. The mapping
+/// holds the memory until `vmm_unmap`.
 inline result<void*> vmm_map(int fd, std::size_t size, int device) noexcept {
   const detail::vmm_api& api = detail::vmm_api::get();
-  if (!api.loaded()) {
-    ::close(fd);
-    return errc::unsupported;
-  }
+  if (!api.loaded()) return errc::unsupported;
   CUmemGenericAllocationHandle h = 0;
   std::error_code ec = detail::drv(
       api.import_handle(&h, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
       "cuMemImportFromShareableHandle");
-  ::close(fd);
   if (ec) return ec;
   CUdeviceptr va = 0;
   if ((ec = detail::drv(api.reserve(&va, size, 0, 0, 0), "cuMemAddressReserve"))) {

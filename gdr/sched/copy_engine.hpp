@@ -24,8 +24,6 @@
 /// `errc::no_device`, saying so.
 #pragma once
 
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -106,10 +104,10 @@ class copy_engine : public poller {
     std::int32_t device = -1;     ///< the owner's GPU ordinal
     std::int32_t pid = 0;         ///< the owner's process id
     ipc_kind kind = ipc_kind::handle;
-    /// `ipc_kind::fd`: the allocation's descriptor. From `ipc_export`, the
-    /// owner's own (borrowed: the transport passes a copy to the peer and
-    /// closes nothing); into `ipc_copy`, the importer's (taken: the engine
-    /// closes it, whatever happens).
+    /// `ipc_kind::fd`: the allocation's descriptor, borrowed both ways: from
+    /// `ipc_export`, the owner's own (the transport passes a copy to the
+    /// peer); into `ipc_copy`, the importer's copy, which the transport
+    /// keeps (the engine imports from it when it has no mapping yet).
     int fd = -1;
 
     static constexpr std::size_t wire_size = 96;
@@ -154,12 +152,11 @@ class copy_engine : public poller {
   /// `dst_device`, or host memory (-1). The allocation is imported on first
   /// use and kept (per owner process, GPU and base address, checked by
   /// buffer id) while copies use it. `c` completes as for `copy`.
-  /// `src.fd` (`ipc_kind::fd`) is the engine's: used to import the
-  /// allocation if it is not mapped yet, and closed in every case.
+  /// `src.fd` (`ipc_kind::fd`) is borrowed: used to import the allocation
+  /// if it is not mapped yet.
   virtual std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device,
                                    std::size_t n, completion* c) noexcept {
-    (void)offset, (void)dst, (void)dst_device, (void)n, (void)c;
-    if (src.fd >= 0) ::close(src.fd);
+    (void)src, (void)offset, (void)dst, (void)dst_device, (void)n, (void)c;
     return errc::unsupported;
   }
 

@@ -23,8 +23,8 @@
 // (what `cuMemCreate` with POSIX file-descriptor handles is to the GPU).
 // They export as `ipc_kind::fd` with the memfd as the descriptor, which the
 // transport passes over its socket; the importer maps the descriptor it is
-// given (cached by owner pid and base, checked by id) and copies out of the
-// mapping, closing the descriptor either way.
+// given (cached by owner pid and base, checked by id; the transport keeps
+// the descriptor) and copies out of the mapping.
 #pragma once
 
 #include <sys/mman.h>
@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstring>
 #include <deque>
@@ -169,12 +170,6 @@ class cpu_copy_engine final : public gdr::copy_engine {
 
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int, std::size_t n,
                            completion* c) noexcept override {
-    struct closer {
-      int fd;
-      ~closer() {
-        if (fd >= 0) ::close(fd);
-      }
-    } owned{src.fd};
     if (!ipc || n == 0 || dst == nullptr || c == nullptr) return gdr::errc::invalid_argument;
     auto from = reinterpret_cast<const std::byte*>(static_cast<std::uintptr_t>(src.base));
     int pid = src.pid == ::getpid() ? 0 : src.pid;
@@ -241,8 +236,9 @@ class cpu_copy_engine final : public gdr::copy_engine {
       } else if (e.pid != 0) {
         iovec local{e.dst, e.n};
         iovec remote{const_cast<void*>(e.src), e.n};
+        // The owner gone (killed mid-copy): what the transport sees too.
         if (::process_vm_readv(e.pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(e.n))
-          ec = gdr::errc::device_error;
+          ec = errno == ESRCH ? gdr::errc::connection_lost : gdr::errc::device_error;
       } else {
         std::memcpy(e.dst, e.src, e.n);
       }

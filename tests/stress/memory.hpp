@@ -311,14 +311,13 @@ class guarded_copy_engine final : public gdr::copy_engine {
 
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device, std::size_t n,
                            completion* c) noexcept override {
-    // A descriptor that came with the copy is the engine's: it must be the
-    // one exported (the same file), and it is closed here in every case.
+    // A descriptor that came with the copy (the transport's, borrowed) must
+    // be the one exported: the same file.
     if (src.kind == ipc_kind::fd) {
       struct stat got {}, want {};
       if (src.fd < 0 || token_fd_ < 0 || ::fstat(src.fd, &got) != 0 || ::fstat(token_fd_, &want) != 0 ||
           got.st_ino != want.st_ino || got.st_dev != want.st_dev)
         j_->fail("ipc-fd", strf("an ipc_copy's descriptor (%d) is not the one its owner exported", src.fd));
-      if (src.fd >= 0) ::close(src.fd);
       ++fds_taken;
     } else if (ipc_fds) {
       j_->fail("ipc-fd", "an ipc_copy of an allocation exported with a descriptor came without it");

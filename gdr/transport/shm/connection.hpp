@@ -51,8 +51,10 @@
 /// frame with 2; the reader takes the next descriptor off the socket when
 /// it reads such a frame (it is there: the writer's `sendmsg` returned
 /// before the frame was in the ring) and checks it names that allocation.
-/// A full socket holds the writer back (`sock_blocked_`, tried again
-/// after 100 us) and nothing else. The reader
+/// The reader keeps the last 16 such descriptors in slots the writer
+/// assigns, so an allocation sent again goes as mark 3 and its slot, with
+/// nothing passed. A full socket holds the writer back (`sock_blocked_`,
+/// tried again after 100 us) and nothing else. The reader
 /// checks the descriptor against the header and the peer, has its copy
 /// engine copy the bytes straight out of the peer's allocation into their
 /// place (`copy_engine::ipc_copy`: imported once, then cached), and stops
@@ -221,6 +223,7 @@ class connection final : public proto::engine {
 
   ~connection() override {
     if (polling_) sched().remove_poller(poller_);
+    close_fd_slots();
   }
   void destroy() noexcept override { delete this; }
 
@@ -291,8 +294,23 @@ class connection final : public proto::engine {
   /// descriptor; 2, a file descriptor passed over the socket).
   static constexpr std::size_t ipc_mark = 13;
   static bool ipc_marked(std::byte b) noexcept {
-    return b == std::byte{1} || b == std::byte{2};
+    return b == std::byte{1} || b == std::byte{2} || b == std::byte{3};
   }
+  /// The mark of a descriptor frame whose file descriptor the peer holds
+  /// already (in the slot the descriptor's first byte names).
+  static constexpr std::byte fd_held{3};
+  /// Descriptors of gdr's shareable allocations kept per connection, so
+  /// that one sent again does not pass again: the writer's table says which
+  /// the peer holds in which slot (the least recently used is replaced), and
+  /// the reader's holds them (each closed when replaced, or at the end).
+  static constexpr std::uint32_t fd_slots = 16;
+  struct fd_slot_out {
+    std::uint64_t base = 0, id = 0, used = 0;  // used == 0: empty
+  };
+  struct fd_slot_in {
+    std::uint64_t base = 0, id = 0;
+    int fd = -1;
+  };
   /// Bytes `f` takes in the ring.
   std::size_t ring_bytes(const frame& f) const noexcept {
     if (ipc_out(f)) return wire::header_size + ipc_body;
@@ -305,12 +323,20 @@ class connection final : public proto::engine {
   /// `sock_blocked_`), or it cannot be shared: the connection fails (from
   /// the loop) with `errc::unsupported`.
   bool export_ipc(const frame& f) noexcept;
-  /// Passes `m.fd` over the socket, with its allocation's id and base.
-  bool pass_fd(const copy_engine::ipc_memory& m) noexcept;
+  /// Passes `m.fd` over the socket, with its allocation's id and base and
+  /// the peer's slot to keep it in.
+  bool pass_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept;
   /// Takes the descriptor the peer passed for the frame whose allocation is
-  /// `m` (the next message on the socket); -1 when it is not there or not
-  /// that allocation's (a protocol error).
-  int take_fd(const copy_engine::ipc_memory& m) noexcept;
+  /// `m` (the next message on the socket) into slot `slot`; -1 when it is
+  /// not there or not that allocation's (a protocol error).
+  int take_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept;
+  /// The slot whose descriptor the peer holds for allocation `m` (true), or
+  /// the one to pass it into (false: empty, or least recently used).
+  bool fd_slot_for(const copy_engine::ipc_memory& m, std::uint32_t& slot) const noexcept;
+  void close_fd_slots() noexcept {
+    for (fd_slot_in& e : fd_in_)
+      if (e.fd >= 0) ::close(std::exchange(e.fd, -1));
+  }
   /// The CUDA IPC frame `f` may go once the work queued on its GPU before
   /// it (the legacy default stream, and its operation's `after` stream) is
   /// done: true when it is; false while the fence runs (the writer waits;
@@ -476,6 +502,9 @@ class connection final : public proto::engine {
   std::chrono::steady_clock::time_point sock_retry_at_{};
   std::byte ipc_out_[ipc_body];  // the descriptor of txq_.head, when it is a CUDA IPC frame
   std::byte ipc_kind_out_{1};    // and its kind (the header's mark)
+  fd_slot_out fd_out_[fd_slots]{};  // the descriptors the peer holds
+  fd_slot_in fd_in_[fd_slots]{};    // the descriptors the peer passed, kept
+  std::uint64_t fd_clock_ = 0;
   gpu_node fence_done_{};
   const frame* fence_for_ = nullptr;  // the frame whose fence runs
   const frame* fenced_ = nullptr;     // the frame whose fence is done (until it is sealed)

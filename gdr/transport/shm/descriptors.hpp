@@ -25,11 +25,27 @@ namespace fd_msg {
 struct body {
   std::uint64_t buffer_id;
   std::uint64_t base;
+  std::uint32_t slot;
+  std::uint32_t reserved;
 };
 }  // namespace fd_msg
 
-inline bool connection::pass_fd(const copy_engine::ipc_memory& m) noexcept {
-  fd_msg::body b{m.buffer_id, m.base};
+inline bool connection::fd_slot_for(const copy_engine::ipc_memory& m, std::uint32_t& slot) const noexcept {
+  std::uint32_t pick = 0;
+  for (std::uint32_t i = 0; i < fd_slots; ++i) {
+    const fd_slot_out& e = fd_out_[i];
+    if (e.used != 0 && e.base == m.base && e.id == m.buffer_id) {
+      slot = i;
+      return true;
+    }
+    if (e.used < fd_out_[pick].used) pick = i;  // an empty one (0) first, else the least recently used
+  }
+  slot = pick;
+  return false;
+}
+
+inline bool connection::pass_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept {
+  fd_msg::body b{m.buffer_id, m.base, slot, 0};
   iovec iov{&b, sizeof b};
   alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))]{};
   msghdr out{};
@@ -65,7 +81,7 @@ inline bool connection::pass_fd(const copy_engine::ipc_memory& m) noexcept {
   return false;
 }
 
-inline int connection::take_fd(const copy_engine::ipc_memory& m) noexcept {
+inline int connection::take_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept {
   fd_msg::body b{};
   iovec iov{&b, sizeof b};
   alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))]{};
@@ -91,10 +107,14 @@ inline int connection::take_fd(const copy_engine::ipc_memory& m) noexcept {
   // The peer passed it before it wrote the frame: it is here, and it is
   // the allocation the frame names, or the peer broke the protocol.
   if (n != static_cast<ssize_t>(sizeof b) || (in.msg_flags & MSG_CTRUNC) != 0 || fd < 0 ||
-      b.buffer_id != m.buffer_id || b.base != m.base) {
+      b.buffer_id != m.buffer_id || b.base != m.base || b.slot != slot || slot >= fd_slots) {
     if (fd >= 0) ::close(fd);
     return -1;
   }
+  // Kept in its slot (the one there before is no longer the writer's).
+  fd_slot_in& e = fd_in_[slot];
+  if (e.fd >= 0) ::close(e.fd);
+  e = {m.base, m.buffer_id, fd};
   ++stats_.fds_taken;
   return fd;
 }

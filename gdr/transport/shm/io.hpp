@@ -169,10 +169,22 @@ inline bool connection::export_ipc(const frame& f) noexcept {
     kick();
     return false;
   }
-  if (m.kind == copy_engine::ipc_kind::fd && !pass_fd(m)) return false;
-  m.to_wire(ipc_out_);
-  std::memcpy(ipc_out_ + copy_engine::ipc_memory::wire_size, &off, sizeof off);
   ipc_kind_out_ = static_cast<std::byte>(m.kind);
+  std::uint32_t slot = 0;
+  if (m.kind == copy_engine::ipc_kind::fd) {
+    // Passed once: the peer keeps it in a slot while it is among the last
+    // 16 this side passed.
+    if (fd_slot_for(m, slot)) {
+      ipc_kind_out_ = fd_held;
+    } else {
+      if (!pass_fd(m, slot)) return false;
+      fd_out_[slot] = {m.base, m.buffer_id, 0};
+    }
+    fd_out_[slot].used = ++fd_clock_;
+  }
+  m.to_wire(ipc_out_);
+  ipc_out_[0] = static_cast<std::byte>(slot);  // (the handle's place: unused by a descriptor)
+  std::memcpy(ipc_out_ + copy_engine::ipc_memory::wire_size, &off, sizeof off);
   ++stats_.ipc_exports;
   return true;
 }
@@ -270,7 +282,6 @@ inline bool connection::start_ipc_copy(const proto::rx_plan& plan, const copy_en
                                         std::uint64_t off) noexcept {
   skip_ = 0;
   if (plan.want == 0) {  // nothing of it wanted (a dropped message)
-    if (m.fd >= 0) ::close(m.fd);
     count_copied();
     on_placed(true);
     if (take_waiter(rx_.control().writer_waiting)) ring_peer();
@@ -391,9 +402,17 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   if (ipc) {
     rx_.consume(wire::header_size + ipc_body);
     avail -= wire::header_size + ipc_body;
-    if (mark == std::byte{2}) {
+    if (mark == std::byte{2} || mark == fd_held) {
       m.kind = copy_engine::ipc_kind::fd;
-      if ((m.fd = take_fd(m)) < 0) {
+      const auto slot = static_cast<std::uint32_t>(m.handle[0]);
+      if (mark == fd_held) {
+        // Passed before and kept: it must be that allocation's.
+        const fd_slot_in* e = slot < fd_slots ? &fd_in_[slot] : nullptr;
+        m.fd = e != nullptr && e->fd >= 0 && e->base == m.base && e->id == m.buffer_id ? e->fd : -1;
+      } else {
+        m.fd = take_fd(m, slot);
+      }
+      if (m.fd < 0) {
         protocol_fail(gdr::tcp::frame_status::bad_field);
         return false;
       }
@@ -703,6 +722,7 @@ inline void connection::link_release() noexcept {
   parts_.bell.reset();
   parts_.peer_bell.reset();
   parts_.sock.reset();
+  close_fd_slots();
 }
 
 inline void connection::arm_linger(std::chrono::milliseconds bound) noexcept {

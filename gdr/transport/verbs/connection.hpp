@@ -194,8 +194,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     return p;
   }
 
-  /// What the GPUDirect probe found for this endpoint's GPU and NIC (null:
-  /// not a GPUDirect endpoint).
+  /// What the GPUDirect probe found for this endpoint's GPU and NIC (null: not GPUDirect).
   const gdr::verbs::gpudirect_report* gpudirect() const noexcept { return gpudirect_; }
   /// GPUDirect: NIC writes into GPU memory end with a flush.
   bool needs_flush() const noexcept { return gpudirect_ != nullptr && gpudirect_->needs_flush; }
@@ -668,6 +667,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void lane_rx_done(lane_rx& r, const ibv_wc& wc) noexcept;
   void wake_note_waiters() noexcept;
   void lane_shutdown(std::error_code ec) noexcept;
+  void lane_lost(std::error_code ec, const char* why) noexcept;
 
   // ---- liveness.hpp: device events, keepalive, rdma_cm events, failure, kicks
   void on_tick() noexcept override;
@@ -781,6 +781,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   std::uint32_t lane_peer_gen_ = 0;  // the peer's latest reset
   std::uint8_t lane_ctl_due_ = 0;    // lane control messages to send (lane_ctl_reset, lane_ctl_ready)
   bool lane_target_reset_due_ = false;
+  std::chrono::steady_clock::time_point lane_lost_at_{};  // the lane could not be brought back (lane_lost)
   std::deque<std::uint32_t> notes_;  // notifications not yet taken
   std::error_code note_error_{};
   note_waiter* note_head_ = nullptr;  // waiting for a notification, in order

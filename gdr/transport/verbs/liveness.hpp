@@ -48,6 +48,14 @@ inline void connection::on_qp_event(ibv_event_type type) noexcept {
 /// Probes the peer if the connection has been idle for the keepalive
 /// interval (called by the poller's tick).
 inline void connection::keepalive_tick() noexcept {
+  if (lane_lost_at_ != std::chrono::steady_clock::time_point{} && !failed() && !shut_ &&
+      std::chrono::steady_clock::now() - lane_lost_at_ > std::chrono::seconds(1)) {
+    proto::event_scope ev(*this);
+    gdr::detail::log("verbs", "%s: the one-sided lane is gone and the connection did not end: it fails",
+                     peer_name().c_str());
+    on_link_failed(errc::connection_lost);
+    return;
+  }
   if (!established_ || shut_ || failed() || vopts_.keepalive.count() == 0) return;
   // Called every ~100 ms (the poller's tick): activity since the last
   // tick restarts the idle time; reading the clock per completion would

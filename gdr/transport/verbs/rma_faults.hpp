@@ -53,8 +53,7 @@ inline void connection::lane_begin_reset() noexcept {
     if (!j->faulted) j->posted = j->done;  // flushed: not executed
   ++lane_gen_;
   if (std::error_code ec = lane_reset_qp(lane_init_)) {
-    gdr::detail::log("verbs", "resetting the one-sided queue pair: %s", ec.message().c_str());
-    lane_shutdown(ec);
+    lane_lost(ec, "resetting the one-sided queue pair");
     return;
   }
   lane_ctl_due_ |= lane_ctl_reset;
@@ -76,7 +75,9 @@ inline void connection::lane_control(const wire_header& w) noexcept {
   } else if (w.type == wire_header::lane_ready) {
     if (lane_phase_ != lane_phase::resetting || static_cast<std::uint32_t>(w.id) != lane_gen_) return;  // stale
     if (std::error_code ec = lane_connect(lane_init_, peer_lane_target_, false)) {
-      lane_shutdown(ec);
+      // Most likely the peer's end (its connection is gone, so is the
+      // address vector): what waits fails as the connection does.
+      lane_lost(ec, "connecting the one-sided queue pair again");
       return;
     }
     ++stats_.lane_resets;
@@ -90,6 +91,18 @@ inline void connection::lane_control(const wire_header& w) noexcept {
   }
 }
 
+/// The lane could not be brought back (`why`, `ec`): almost always because
+/// the peer is ending (its connection, and so the address the queue pairs
+/// connect to, is gone). What the lane holds stays held and fails as the
+/// connection ends, with its error (an orderly close is not a lost
+/// connection), never with the low-level error of the call that failed.
+/// If the connection does not end within a second, it is failed
+/// (`keepalive_tick`): the lane is gone, and nothing may hang.
+inline void connection::lane_lost(std::error_code ec, const char* why) noexcept {
+  gdr::detail::log("verbs", "%s: %s; the one-sided lane waits for the connection's end", why, ec.message().c_str());
+  lane_lost_at_ = std::chrono::steady_clock::now();
+}
+
 inline void connection::lane_try_target_reset() noexcept {
   if (!lane_target_reset_due_ || lane_rx_out_ != 0) return;
   lane_target_reset_due_ = false;
@@ -97,8 +110,7 @@ inline void connection::lane_try_target_reset() noexcept {
   if (!ec) ec = lane_connect(lane_target_, peer_lane_init_, true);
   if (!ec) ec = lane_post_receives();
   if (ec) {
-    gdr::detail::log("verbs", "resetting the one-sided target queue pair: %s", ec.message().c_str());
-    lane_shutdown(ec);
+    lane_lost(ec, "resetting the one-sided target queue pair");
     return;
   }
   lane_ctl_due_ |= lane_ctl_ready;

@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <stop_token>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -318,20 +319,25 @@ TEST_CASE("descriptors of shareable allocations wait in their queue while the so
   IPC_REQUIRE_DEVICE();
   if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (holding the copies)");
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
-    // Many Device messages out of one shareable allocation: each frame
-    // passes the allocation's descriptor. The importer's copies are held,
-    // so its reader stops at the first; the writer goes on until the
-    // socket refuses descriptors, then waits (and nothing else does).
-    constexpr std::size_t count = 1500, each = 64;
-    auto p = pattern(count * each, 21);
-    staged::dev_mem src(count * each, 0, staged::dev_alloc::shareable), dst(count * each);
-    src.fill(p);
+    // Device messages out of many shareable allocations: each frame passes
+    // its allocation's descriptor. The importer's copies are held, so its
+    // reader stops at the first; the writer goes on until the socket
+    // refuses descriptors, then waits (and nothing else does).
+    constexpr std::size_t count = 600, each = 64;
+    std::vector<std::unique_ptr<staged::dev_mem>> srcs;
+    std::vector<std::vector<std::byte>> pats;
+    staged::dev_mem dst(count * each);
     dst.set(std::byte{0});
+    for (std::size_t i = 0; i < count; ++i) {
+      srcs.push_back(std::make_unique<staged::dev_mem>(each, 0, staged::dev_alloc::shareable));
+      pats.push_back(pattern(each, static_cast<std::uint32_t>(100 + i)));
+      srcs.back()->fill(pats.back());
+    }
     env.hold();
     std::vector<gdr::task<op_report>> ops;
     for (std::size_t i = 0; i < count; ++i) {
       ops.push_back(report_of(b.recv(dst.view().subview(i * each, each), tag{1})));
-      ops.push_back(report_of(a.send(src.view().subview(i * each, each), tag{1})));
+      ops.push_back(report_of(a.send(srcs[i]->view(), tag{1})));
     }
     auto releaser = [](staged::env& e) -> gdr::task<op_report> {
       co_await gdr::sleep_for(50ms);
@@ -341,12 +347,50 @@ TEST_CASE("descriptors of shareable allocations wait in their queue while the so
     ops.push_back(releaser(env));
     std::vector<op_report> done = co_await gdr::when_all(std::move(ops));
     for (const op_report& r : done) CHECK(!r.error);
-    CHECK(dst.read() == p);
+    auto got = dst.read();
+    for (std::size_t i = 0; i < count; ++i)
+      CHECK(std::equal(pats[i].begin(), pats[i].end(), got.begin() + static_cast<std::ptrdiff_t>(i * each)));
     MESSAGE("descriptors passed " << a.stats().fds_passed << ", the socket full " << a.stats().fd_socket_full
                                   << " times");
     CHECK(a.stats().fds_passed == count);
     CHECK(b.stats().fds_taken == count);
     CHECK(a.stats().fd_socket_full >= 1);
+    co_await a.close();
+  });
+}
+
+TEST_CASE("an allocation sent again passes its descriptor once: the receiver keeps the last 16") {
+  IPC_REQUIRE_DEVICE();
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env&) -> gdr::task<> {
+    constexpr std::size_t each = 4096;
+    std::vector<std::unique_ptr<staged::dev_mem>> srcs;
+    for (std::size_t i = 0; i < 17; ++i) {
+      srcs.push_back(std::make_unique<staged::dev_mem>(each, 0, staged::dev_alloc::shareable));
+      srcs.back()->fill(pattern(each, static_cast<std::uint32_t>(i)));
+    }
+    staged::dev_mem in(each);
+    auto exchange = [&](std::size_t i) -> gdr::task<bool> {
+      auto [s, r] = co_await gdr::when_all(report_of(a.send(srcs[i]->view(), tag{2})),
+                                           report_of(b.recv(in.view(), tag{2})));
+      co_return !s.error && !r.error && in.read() == pattern(each, static_cast<std::uint32_t>(i));
+    };
+    // One allocation, ten times: one descriptor.
+    for (int k = 0; k < 10; ++k) CHECK(co_await exchange(0));
+    CHECK(a.stats().fds_passed == 1);
+    CHECK(a.stats().ipc_exports == 10);
+    // Sixteen, three rounds: each passes once.
+    for (int round = 0; round < 3; ++round)
+      for (std::size_t i = 0; i < 16; ++i) CHECK(co_await exchange(i));
+    CHECK(a.stats().fds_passed == 16);
+    // Seventeen in a cycle: the first round passes only the seventeenth
+    // (in the place of the least recently used, the first); from then on
+    // the least recently used is always the next one sent, so every send
+    // passes again.
+    const std::uint64_t before = a.stats().fds_passed;
+    for (int round = 0; round < 2; ++round)
+      for (std::size_t i = 0; i < 17; ++i) CHECK(co_await exchange(i));
+    CHECK(a.stats().fds_passed - before == 1 + 17);
+    CHECK(b.stats().fds_taken == a.stats().fds_passed);
     co_await a.close();
   });
 }
