@@ -99,9 +99,9 @@ struct bytes<gdr::Host> {
 struct gpu_side {
   explicit gpu_side([[maybe_unused]] gdr::scheduler& s, [[maybe_unused]] bool needed) {
 #if GDR_HAS_CUDA
-    // GDR_PERF_DEVICE_ALLOC=cudamalloc or vmm: how gdr::buffer<Device>
-    // allocates (default: the virtual memory API from 1 MiB), to compare
-    // the two ways CUDA IPC shares memory.
+    // GDR_PERF_DEVICE_ALLOC=cudamalloc, vmm or automatic: how
+    // gdr::buffer<Device> allocates (default: the process's rule), to
+    // compare the two ways CUDA IPC shares memory.
     if (const char* e = std::getenv("GDR_PERF_DEVICE_ALLOC"); e != nullptr && *e != 0) {
       const std::string v = e;
       gdr::cuda::set_device_allocation(

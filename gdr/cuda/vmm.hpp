@@ -17,10 +17,15 @@
 /// current GPUs), mapped read-write for its GPU, GPUDirect-RDMA capable
 /// where the GPU supports that with the virtual memory API (so the verbs
 /// transport can register it). Freeing synchronizes the device first, as
-/// `cudaFree` does. Allocations below `device_allocation::vmm_min_bytes`
-/// (1 MiB by default) use `cudaMalloc`, which suballocates: rounding an
-/// 8-byte buffer up to 2 MiB would waste the GPU's memory; legacy IPC
-/// shares those. `set_device_allocation` changes the rule for the process.
+/// `cudaFree` does. With `vmm_use::automatic`, allocations below
+/// `device_allocation::vmm_min_bytes` (1 MiB) use `cudaMalloc`, which
+/// suballocates: rounding an 8-byte buffer up to 2 MiB would waste the GPU's
+/// memory; legacy IPC shares those.
+///
+/// The process's rule is `vmm_use::never` (every buffer `cudaMalloc`'s)
+/// until this path has run on a GPU: its code is tested on the CPU through
+/// the copy engine's stand-ins only. `set_device_allocation({.vmm =
+/// vmm_use::automatic})` turns it on.
 ///
 /// The registry. Every such allocation is recorded (base, size, handle,
 /// a process-unique id), so the CUDA copy engine's export finds it from
@@ -55,21 +60,21 @@ namespace gdr::cuda {
 
 /// When `gdr::buffer<T, Device>` uses the virtual memory API.
 enum class vmm_use : std::uint8_t {
-  automatic,  ///< from `vmm_min_bytes`, where the GPU supports it (the default)
+  automatic,  ///< from `vmm_min_bytes`, where the GPU supports it
   always,     ///< every size, where the GPU supports it
-  never,      ///< `cudaMalloc` only
+  never,      ///< `cudaMalloc` only (the default for now: see the file comment)
 };
 
 /// The process's rule for Device allocations (see the file comment).
 struct device_allocation {
-  vmm_use vmm = vmm_use::automatic;
+  vmm_use vmm = vmm_use::never;
   std::size_t vmm_min_bytes = std::size_t{1} << 20;
 };
 
 namespace detail {
 
 inline std::atomic<int>& vmm_use_setting() noexcept {
-  static std::atomic<int> v{static_cast<int>(vmm_use::automatic)};
+  static std::atomic<int> v{static_cast<int>(vmm_use::never)};
   return v;
 }
 inline std::atomic<std::size_t>& vmm_min_setting() noexcept {

@@ -16,11 +16,11 @@
 ///           fallback to pageable memory. (One exception outside gdr's
 ///           control: the sanitizers' runtime (ASan, TSan) intercepts `mlock`
 ///           and ignores it, so under them this memory is not actually locked.)
-///   Device  the CUDA virtual memory API (`cuMemCreate` with POSIX file-descriptor
-///           handles: memory another process can map, gdr/cuda/vmm.hpp) from
-///           1 MiB, where the GPU supports it; `cudaMalloc` below that (it
-///           suballocates; the virtual memory API rounds up to 2 MiB) and on
-///           GPUs without it. `cuda::set_device_allocation` changes the rule;
+///   Device  `cudaMalloc`, or, as the process's rule says
+///           (`cuda::set_device_allocation`; off by default until it has run
+///           on a GPU), the CUDA virtual memory API (`cuMemCreate` with POSIX
+///           file-descriptor handles: memory another process can map,
+///           gdr/cuda/vmm.hpp) from 1 MiB where the GPU supports it;
 ///           `allocation::method` says which a buffer got. The device is made
 ///           current for the call and restored after. Without a GPU: `errc::no_device`, and
 ///           `failure_message` says why (no driver, no device, bad ordinal).

@@ -113,8 +113,7 @@ TEST_CASE("a device buffer is on its GPU, or fails with no_device saying why") {
   gdr::buffer<float, gdr::Device> d(1 << 20, 0);
   CHECK(d.size() == (1u << 20));
   CHECK(d.device() == 0);
-  // 4 MiB: the virtual memory API where the GPU shares such memory.
-  CHECK(d.method() == (gdr::cuda::vmm_shareable(0) ? gdr::alloc_method::cuda_vmm : gdr::alloc_method::cuda_malloc));
+  CHECK(d.method() == gdr::alloc_method::cuda_malloc);  // the process's rule: vmm_use::never by default
   CHECK(d.view().device() == 0);
   cudaPointerAttributes attr{};
   REQUIRE(cudaPointerGetAttributes(&attr, d.data()) == cudaSuccess);
@@ -125,10 +124,11 @@ TEST_CASE("a device buffer is on its GPU, or fails with no_device saying why") {
   CHECK(d.data() == nullptr);  // NOLINT
 }
 
-TEST_CASE("a device buffer from 1 MiB is shareable memory of the virtual memory API, smaller ones cudaMalloc's") {
+TEST_CASE("with vmm_use::automatic a device buffer from 1 MiB is shareable memory of the virtual memory API, smaller ones cudaMalloc's") {
   if (std::string why = gdr_test::no_gpu_reason(); !why.empty()) GDR_SKIP(why);
   if (!gdr::cuda::vmm_shareable(0)) GDR_SKIP("GPU 0 cannot allocate memory shareable by file descriptor");
   const std::size_t before = gdr::cuda::vmm_registry::instance().size();
+  gdr::cuda::set_device_allocation({.vmm = gdr::cuda::vmm_use::automatic});
   {
     gdr::buffer<std::byte, gdr::Device> small(64 * 1024), big((3u << 20) + 5);
     CHECK(small.method() == gdr::alloc_method::cuda_malloc);
@@ -169,6 +169,7 @@ TEST_CASE("a device buffer from 1 MiB is shareable memory of the virtual memory 
   gdr::buffer<std::byte, gdr::Device> tiny(8);
   CHECK(tiny.method() == gdr::alloc_method::cuda_vmm);
   gdr::cuda::set_device_allocation({});
+  CHECK(gdr::cuda::current_device_allocation().vmm == gdr::cuda::vmm_use::never);
 }
 
 TEST_CASE("a pinned buffer on a GPU machine is known to CUDA as host memory") {
