@@ -60,6 +60,7 @@
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transfer/common.hpp>
 #include <gdr/transport/shm/endpoint.hpp>
+#include <gdr/transport/shm/fd_message.hpp>
 #include <gdr/transport/shm/ring.hpp>
 #include <gdr/transport/tcp/socket_op.hpp>
 
@@ -216,50 +217,27 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
                  o.single_copy_threshold != 0 ? reinterpret_cast<std::uintptr_t>(&probe) : 0,
                  probe,
                  o.single_copy_threshold};
-  iovec out_iov{&mine, sizeof mine};
-  alignas(cmsghdr) char out_ctl[CMSG_SPACE(2 * sizeof(int))]{};
-  msghdr out{};
-  out.msg_iov = &out_iov;
-  out.msg_iovlen = 1;
-  out.msg_control = out_ctl;
-  out.msg_controllen = sizeof out_ctl;
-  cmsghdr* c = CMSG_FIRSTHDR(&out);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(2 * sizeof(int));
-  const int fds[2] = {mem.get(), parts.bell.get()};
-  std::memcpy(CMSG_DATA(c), fds, sizeof fds);
-  int sent = co_await unix_call(s, oo, unix_call::kind::sendmsg, sock.get(), &out);
+  fd_message<2> out(&mine, sizeof mine);
+  out.put_fds({mem.get(), parts.bell.get()});
+  int sent = co_await unix_call(s, oo, unix_call::kind::sendmsg, sock.get(), &out.h);
   if (sent != static_cast<int>(sizeof mine))
     throw gdr::error(make_error_code(errc::connection_lost), "gdr::shm: the handshake's hello was cut short");
   mem.reset();  // the peer holds its own descriptor now; the mapping stays
 
   hello_msg theirs{};
-  iovec in_iov{&theirs, sizeof theirs};
-  alignas(cmsghdr) char in_ctl[CMSG_SPACE(2 * sizeof(int))]{};
-  msghdr in{};
-  in.msg_iov = &in_iov;
-  in.msg_iovlen = 1;
-  in.msg_control = in_ctl;
-  in.msg_controllen = sizeof in_ctl;
-  int got = co_await unix_call(s, oo, unix_call::kind::recvmsg, sock.get(), &in);
+  fd_message<2> in(&theirs, sizeof theirs);
+  int got = co_await unix_call(s, oo, unix_call::kind::recvmsg, sock.get(), &in.h);
   // Take the descriptors first, so that every way out closes them.
   fd_handle peer_mem, peer_bell;
   int nfds = 0;
-  for (cmsghdr* h = CMSG_FIRSTHDR(&in); h != nullptr; h = CMSG_NXTHDR(&in, h)) {
-    if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) continue;
-    const std::size_t n = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (std::size_t i = 0; i < n; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(h) + i * sizeof(int), sizeof fd);
-      if (nfds == 0) peer_mem.reset(fd);
-      else if (nfds == 1) peer_bell.reset(fd);
-      else ::close(fd);
-      ++nfds;
-    }
-  }
+  in.each_fd([&](int fd) {
+    if (nfds == 0) peer_mem.reset(fd);
+    else if (nfds == 1) peer_bell.reset(fd);
+    else ::close(fd);
+    ++nfds;
+  });
   if (got == 0) throw gdr::error(make_error_code(errc::connection_lost), "gdr::shm: the peer left during the handshake");
-  if (got != static_cast<int>(sizeof theirs) || theirs.magic != hello_magic || (in.msg_flags & MSG_CTRUNC) != 0 ||
+  if (got != static_cast<int>(sizeof theirs) || theirs.magic != hello_magic || in.truncated() ||
       nfds != 2)
     throw gdr::error(make_error_code(errc::protocol_error), "gdr::shm: the peer's hello is not a gdr shared-memory hello");
   if (theirs.version != 1)

@@ -16,6 +16,7 @@
 
 #include <gdr/log.hpp>
 #include <gdr/transport/shm/connection.hpp>
+#include <gdr/transport/shm/fd_message.hpp>
 
 namespace gdr::detail::shm {
 
@@ -46,19 +47,9 @@ inline bool connection::fd_slot_for(const copy_engine::ipc_memory& m, std::uint3
 
 inline bool connection::pass_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept {
   fd_msg::body b{m.buffer_id, m.base, slot, 0};
-  iovec iov{&b, sizeof b};
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))]{};
-  msghdr out{};
-  out.msg_iov = &iov;
-  out.msg_iovlen = 1;
-  out.msg_control = ctl;
-  out.msg_controllen = sizeof ctl;
-  cmsghdr* c = CMSG_FIRSTHDR(&out);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &m.fd, sizeof m.fd);
-  const ssize_t n = ::sendmsg(parts_.sock.get(), &out, MSG_DONTWAIT | MSG_NOSIGNAL);
+  fd_message<1> out(&b, sizeof b);
+  out.put_fds({m.fd});
+  const ssize_t n = ::sendmsg(parts_.sock.get(), &out.h, MSG_DONTWAIT | MSG_NOSIGNAL);
   if (n == static_cast<ssize_t>(sizeof b)) {
     sock_blocked_ = false;
     ++stats_.fds_passed;
@@ -83,30 +74,18 @@ inline bool connection::pass_fd(const copy_engine::ipc_memory& m, std::uint32_t 
 
 inline int connection::take_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept {
   fd_msg::body b{};
-  iovec iov{&b, sizeof b};
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))]{};
-  msghdr in{};
-  in.msg_iov = &iov;
-  in.msg_iovlen = 1;
-  in.msg_control = ctl;
-  in.msg_controllen = sizeof ctl;
-  const ssize_t n = ::recvmsg(parts_.sock.get(), &in, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  fd_message<1> in(&b, sizeof b);
+  const ssize_t n = ::recvmsg(parts_.sock.get(), &in.h, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
   int fd = -1;
   if (n > 0) {
-    for (cmsghdr* h = CMSG_FIRSTHDR(&in); h != nullptr; h = CMSG_NXTHDR(&in, h)) {
-      if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) continue;
-      const std::size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (std::size_t i = 0; i < k; ++i) {
-        int x;
-        std::memcpy(&x, CMSG_DATA(h) + i * sizeof(int), sizeof x);
-        if (fd < 0) fd = x;
-        else ::close(x);  // one per message: more is the peer's error
-      }
-    }
+    in.each_fd([&](int x) {
+      if (fd < 0) fd = x;
+      else ::close(x);  // one per message: more is the peer's error
+    });
   }
   // The peer passed it before it wrote the frame: it is here, and it is
   // the allocation the frame names, or the peer broke the protocol.
-  if (n != static_cast<ssize_t>(sizeof b) || (in.msg_flags & MSG_CTRUNC) != 0 || fd < 0 ||
+  if (n != static_cast<ssize_t>(sizeof b) || in.truncated() || fd < 0 ||
       b.buffer_id != m.buffer_id || b.base != m.base || b.slot != slot || slot >= fd_slots) {
     if (fd >= 0) ::close(fd);
     return -1;
