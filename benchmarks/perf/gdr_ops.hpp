@@ -27,6 +27,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <gdr/coro/sync_wait.hpp>
@@ -112,6 +113,18 @@ struct gpu_side {
 #endif
   }
 #if GDR_HAS_CUDA
+  ~gpu_side() {
+    if (!events || !diag()) return;
+    const gdr::cuda::ipc_stats& s = events->ipc().stats();
+    std::fprintf(stderr,
+                 "gdr_perf diag: pid %d CUDA IPC exports %llu (fd %llu), imports %llu (fd %llu), hits %llu, stale "
+                 "%llu, evictions %llu, closed %llu, longest import %.1f us\n",
+                 static_cast<int>(::getpid()), static_cast<unsigned long long>(s.exports),
+                 static_cast<unsigned long long>(s.fd_exports), static_cast<unsigned long long>(s.imports),
+                 static_cast<unsigned long long>(s.fd_imports), static_cast<unsigned long long>(s.hits),
+                 static_cast<unsigned long long>(s.stale), static_cast<unsigned long long>(s.evictions),
+                 static_cast<unsigned long long>(s.closed), static_cast<double>(s.max_import_ns) / 1e3);
+  }
   std::optional<gdr::cuda::event_poller> events;
 #endif
 };
@@ -139,6 +152,30 @@ inline gdr::shm::endpoint_options shm_options() {
   if (const char* e = std::getenv("GDR_PERF_SHM_DEVICE"); e != nullptr && std::string(e) == "staged")
     o.device = gdr::shm::device_path::staged;
   return o;
+}
+
+/// GDR_PERF_DIAG: a shm endpoint's counters on stderr (where a difference
+/// between two runs comes from: descriptors passed, copies overlapped,
+/// pieces through the ring).
+template <class E>
+void report_counters(const char* who, const E& ep) {
+  if constexpr (std::is_same_v<E, gdr::shm::endpoint>) {
+    if (!diag()) return;
+    const gdr::shm::endpoint_stats& s = ep.stats();
+    std::fprintf(stderr,
+                 "gdr_perf diag: %s shm frames out %llu in %llu, rendezvous sends %llu, ipc copies %llu (read past "
+                 "%llu, most in flight %llu), ipc exports %llu, fds passed %llu taken %llu, socket full %llu, ring "
+                 "gpu copies %llu, single copies %llu, staged chunks %llu, paused %llu\n",
+                 who, static_cast<unsigned long long>(s.frames_out), static_cast<unsigned long long>(s.frames_in),
+                 static_cast<unsigned long long>(s.rendezvous_sends), static_cast<unsigned long long>(s.ipc_copies),
+                 static_cast<unsigned long long>(s.ipc_read_past), static_cast<unsigned long long>(s.ipc_max_in_flight),
+                 static_cast<unsigned long long>(s.ipc_exports), static_cast<unsigned long long>(s.fds_passed),
+                 static_cast<unsigned long long>(s.fds_taken), static_cast<unsigned long long>(s.fd_socket_full),
+                 static_cast<unsigned long long>(s.ring_gpu_copies), static_cast<unsigned long long>(s.single_copies),
+                 static_cast<unsigned long long>(s.staged_chunks), static_cast<unsigned long long>(s.paused));
+  } else {
+    (void)who, (void)ep;
+  }
 }
 
 /// The passive side: echoes (send, latency), receives and acks (send,
@@ -174,6 +211,7 @@ gdr::task<> serve(E& ep, const spec& sp, std::size_t size, std::size_t n, bool l
     co_await ep.recv(gdr::host_view(done));
     co_await reg.revoke();
   }
+  report_counters(latency ? "server (latency)" : "server (bandwidth)", ep);
   co_await ep.close();
 }
 
@@ -237,6 +275,7 @@ gdr::task<measured> drive(E& ep, const spec& sp, std::size_t size, std::size_t n
     std::array<std::byte, 1> done{};
     co_await ep.send(gdr::host_view(done));
   }
+  report_counters(latency ? "client (latency)" : "client (bandwidth)", ep);
   co_await ep.close();
   co_return m;
 }

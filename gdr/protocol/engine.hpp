@@ -134,6 +134,21 @@
 ///     a protocol error. After placing `want` bytes it calls `on_placed`.
 ///     `link_abort_target()` stops a placement early (a cancelled receive):
 ///     the transport drops the rest and says when the memory is free.
+///   * Deferred placements. A transport whose placement runs on its own
+///     (a GPU copy out of the peer's memory) may read on before it is
+///     done: after `on_header`, `defer_placement()` takes the current
+///     placement off the reader and gives a ticket, and
+///     `on_deferred_placed(ticket, ok)` ends it later. The engine defers
+///     only a whole operation's payload (matched when its header came) and
+///     a put it serves into exposed memory (acked when done); a kept
+///     message, a bounce buffer or a segment gets ticket 0 and is placed
+///     in turn (`on_placed`). A stop does not abort a deferred placement:
+///     the operation completes with its reason at once and finishes (its
+///     memory is the user's again) when the transport gives it back; a
+///     failure completes it with the error likewise. The transport decides
+///     which later frames may pass a placement in flight (the ordering the
+///     user sees: a close, a get or an atomic behind a put must not), and
+///     ends its deferred placements in the order of their headers.
 ///   * `on_link_failed(ec)` once, when the connection breaks; then every
 ///     posted frame comes back through `on_sent` with an error.
 ///   * `link_shutdown()`: the engine failed or closed; stop the connection

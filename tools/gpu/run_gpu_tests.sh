@@ -29,7 +29,8 @@
 # Environment: CXX (g++), NVCC ($CUDA_HOME/bin/nvcc), CUDA_HOME
 # (/usr/local/cuda), GDR_WERROR (1: -Werror), GDR_JOBS (nproc),
 # GDR_BENCH_ARGS (extra benchmark arguments, e.g. --quick), GDR_NO_BENCH=1,
-# GDR_SANITIZE=1 (tests and quickstart under ASan+UBSan, no benchmarks;
+# GDR_ONLY (an extended regex: build and run only the jobs whose name matches,
+# e.g. 'shm_ipc'), GDR_SANITIZE=1 (tests and quickstart under ASan+UBSan, no benchmarks;
 # ASan needs protect_shadow_gap=0 beside the CUDA driver's mappings, and leak
 # checking is off because the driver keeps allocations until exit).
 set -u
@@ -130,6 +131,11 @@ if [[ "${GDR_NO_BENCH:-0}" != 1 ]]; then
   for b in nop_bench resume_bench; do
     [[ -e benchmarks/$b.cpp ]] && echo "$b|benchmarks/$b.cpp|0|hostbench" >>"$JOBFILE"
   done
+fi
+
+if [[ -n "${GDR_ONLY:-}" ]]; then
+  grep -E "^[^|]*(${GDR_ONLY})[^|]*\|" "$JOBFILE" >"$JOBFILE.only"; mv "$JOBFILE.only" "$JOBFILE"
+  echo "GDR_ONLY=${GDR_ONLY}: $(wc -l <"$JOBFILE") jobs" >>"$BUILD_LOG"
 fi
 
 # doctest's main, once.

@@ -69,27 +69,21 @@ class engine {
   /// Set once by the transport at set-up, from `decide_paths`.
   void set_refused(std::uint8_t rows) noexcept { refused_ = rows; }
 
-  /// GPUDirect: the transport moves `Device` memory with the NIC, so such
-  /// operations are not staged. Their rules (the GPUDirect section below):
-  /// a send from `Device` memory goes by rendezvous at any size, a
-  /// `Device` receive takes only rendezvous messages (an eager one fails
-  /// it with `errc::gpudirect_unavailable` and stays receivable), and
-  /// their frames and placements are marked `nic_only` / `device` for the
-  /// transport. Set once by the transport at set-up.
-  /// `path`: what such operations report (`gpudirect_rdma`, `cuda_ipc`).
+  /// GPUDirect, CUDA IPC: the transport moves `Device` memory itself, so
+  /// such operations are not staged (their rules: "Device memory with
+  /// GPUDirect" in gdr/protocol/engine.hpp). Set once by the transport at
+  /// set-up; `path`: what they report (`gpudirect_rdma`, `cuda_ipc`).
   void set_device_direct(bool on, transfer_path path = transfer_path::gpudirect_rdma) noexcept {
     device_direct_ = on;
     direct_path_ = path;
   }
   bool device_direct() const noexcept { return device_direct_; }
 
-  /// Bounce buffers checked out now (tx, rx): zero when nothing staged is
-  /// in flight.
+  /// Bounce buffers checked out now (tx, rx): zero when nothing staged is in flight.
   std::pair<std::size_t, std::size_t> bounce_in_use() const noexcept { return {tx_.in_use, rx_.in_use}; }
 
   /// The engine's state in one line, for a hang's diagnosis (what waits on
-  /// which list, who holds each bounce slot, the credits): not a stable
-  /// format.
+  /// which list, who holds each bounce slot, the credits): not stable.
   std::string describe() const;
 
   /// The endpoint is gone: abort (if still open); the engine frees itself
@@ -108,16 +102,14 @@ class engine {
   void cancel(op& o, std::error_code why) noexcept;
 
   // Every event runs between enter() and leave() (an event_scope). leave() resumes what
-  // completed, now that the state is consistent, makes the transport calls
-  // the event queued (the re-entrancy rule in gdr/protocol/engine.hpp), lets the
-  // transport write what the resumed coroutines queued, and frees an
-  // abandoned engine.
+  // completed, makes the transport calls the event queued (the re-entrancy rule in
+  // gdr/protocol/engine.hpp), lets the transport write what the resumed coroutines
+  // queued, and frees an abandoned engine.
   void enter() noexcept { ++busy_; }
   void leave() noexcept;
 
  private:
-  /// The stop of `o` (see "Cancellation" in gdr/protocol/engine.hpp); the
-  /// transport may be called.
+  /// The stop of `o` ("Cancellation" in gdr/protocol/engine.hpp); the transport may be called.
   void do_cancel(op& o, std::error_code why) noexcept;
 
  public:
@@ -186,12 +178,10 @@ class engine {
   virtual void destroy() noexcept = 0;
 
  public:
-  /// The peer as this transport names it ("10.0.0.2:4791"), for messages
-  /// and logs.
+  /// The peer as this transport names it ("10.0.0.2:4791"), for messages and logs.
   virtual std::string peer_name() const = 0;
 
  protected:
-
   // ---------------------------------------------------------------- transport events
 
   /// A header arrived (see gdr/protocol/engine.hpp). It must have passed
@@ -206,6 +196,13 @@ class engine {
 
   /// A placement stopped by link_abort_target() no longer uses its memory.
   void on_target_released() noexcept { release_target(std::exchange(aborted_, target{})); }
+  /// The current placement completes later, while the transport reads on
+  /// (see "Deferred placements" in gdr/protocol/engine.hpp): its ticket,
+  /// or 0 when it must complete before the next header (then on_placed).
+  std::uint32_t defer_placement() noexcept;
+  /// Deferred placement `ticket` is over: its bytes are in place (`ok`),
+  /// or never will be (the transport failed the connection first).
+  void on_deferred_placed(std::uint32_t ticket, bool ok, bool direct) noexcept;
 
   /// Set once by a transport with direct one-sided operations: the NIC
   /// domain its peer exposes memory in (a put or get whose view carries a
@@ -248,7 +245,7 @@ class engine {
 
   bool deletable() const noexcept {
     return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && outbox_head_ == nullptr &&
-           link_quiet();
+           deferred_.empty() && link_quiet();
   }
 
   // ---------------------------------------------------------------- lists and the transport's calls
@@ -367,12 +364,11 @@ class engine {
   /// Ends the connection now: in order, or by shutting it down.
   void end_link(bool in_order) noexcept;
 
-  /// An orderly end under way (or due) becomes an abort: the close's
-  /// timeout or stop, or the endpoint dropped.
+  /// An orderly end under way (or due) becomes an abort (close's timeout or stop, the endpoint dropped).
   void abort_link() noexcept;
 
-  /// A close after its frame: it succeeds once the connection has ended
-  /// (the transport quiet); it finishes when the transport is quiet.
+  /// A close succeeds once the connection has ended; it finishes when
+  /// the transport is quiet.
   void settle_close() noexcept;
 
   /// Stops the placement in progress; its resources are released now or,
@@ -380,6 +376,8 @@ class engine {
   void abort_current() noexcept;
 
   void release_target(const target& t) noexcept;
+  /// Target `t`'s bytes are in place (on_placed's work, for a deferred one too).
+  void placed(target t, bool direct) noexcept;
 
   // ---------------------------------------------------------------- receiving
 
@@ -723,6 +721,8 @@ class engine {
   frame hello_{};
   target cur_{};
   target aborted_{};  // a placement stopped while the kernel wrote into it
+  std::vector<std::pair<std::uint32_t, target>> deferred_;  // placements the transport completes later
+  std::uint32_t next_ticket_ = 1;
 
   op_list held_{};           // waiting for the peer's hello
   op_list announced_{};      // rendezvous sends: rts posted

@@ -87,8 +87,40 @@ inline rx_plan engine::on_header(const header& h) noexcept {
   return fail_plan();
 }
 
-inline void engine::on_placed(bool direct) noexcept {
-  target t = std::exchange(cur_, target{});
+inline void engine::on_placed(bool direct) noexcept { placed(std::exchange(cur_, target{}), direct); }
+
+inline std::uint32_t engine::defer_placement() noexcept {
+  // Only a placement whose completion no later frame's handling depends
+  // on: the whole payload of one operation (matched when its header came),
+  // or a put served into exposed memory (its ack goes when it is done).
+  // Kept messages, bounce buffers and segments wait for theirs.
+  const bool whole_op = cur_.kind == target::op_payload && !cur_.counted;
+  const bool put = cur_.kind == target::serve_put && cur_.s->atomic == 0;
+  if (!whole_op && !put) return 0;
+  try {
+    deferred_.reserve(deferred_.size() + 1);
+  } catch (...) {
+    return 0;  // placed in turn instead
+  }
+  std::uint32_t ticket = next_ticket_++;
+  if (ticket == 0) ticket = next_ticket_++;
+  deferred_.emplace_back(ticket, std::exchange(cur_, target{}));
+  return ticket;
+}
+
+inline void engine::on_deferred_placed(std::uint32_t ticket, bool ok, bool direct) noexcept {
+  auto it = std::find_if(deferred_.begin(), deferred_.end(), [&](const auto& d) { return d.first == ticket; });
+  assert(it != deferred_.end() && "gdr: on_deferred_placed for a ticket the engine did not give");
+  if (it == deferred_.end()) return;
+  const target t = it->second;
+  deferred_.erase(it);
+  assert((ok || error_) && "gdr: a deferred placement failed before its connection did");
+  // A failed endpoint answers nothing: the memory is free, no more.
+  if (ok && !error_) placed(t, direct);
+  else release_target(t);
+}
+
+inline void engine::placed(target t, bool direct) noexcept {
   switch (t.kind) {
     case target::none:
     case target::discard: return;

@@ -449,6 +449,10 @@ inline void engine::fail(std::error_code ec, bool in_order) noexcept {
   dropped_tokens_.clear();
   dropped_answers_.clear();
   dropped_ranges_.clear();
+  // Deferred placements: their operations fail now and finish when the
+  // transport gives the memory back (on_deferred_placed).
+  for (const auto& d : deferred_)
+    if (d.second.kind == target::op_payload) complete(*d.second.o, ec);
   if (cur_.kind == target::op_payload || cur_.kind == target::via_host) {
     complete(*cur_.o, ec);
   } else if (cur_.kind == target::stage_rx && cur_.b->owner != nullptr) {

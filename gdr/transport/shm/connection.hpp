@@ -55,11 +55,17 @@
 /// assigns, so an allocation sent again goes as mark 3 and its slot, with
 /// nothing passed. A full socket holds the writer back (`sock_blocked_`,
 /// tried again after 100 us) and nothing else. The reader
-/// checks the descriptor against the header and the peer, has its copy
+/// checks the descriptor against the header and the peer, and has its copy
 /// engine copy the bytes straight out of the peer's allocation into their
-/// place (`copy_engine::ipc_copy`: imported once, then cached), and stops
-/// reading until that GPU copy completes; then it counts it in `copied`,
-/// as a single copy, and the writer completes the frame. Host bytes whose
+/// place (`copy_engine::ipc_copy`: imported once, then cached). It reads on
+/// while the copy runs when the engine defers the placement (a whole
+/// operation's payload, a served put) and the next frame may pass it: the
+/// next descriptor frame (its copy queues behind on the same stream, so
+/// consecutive messages' copies run back to back), or an empty rts, rtr,
+/// credit or put ack; anything else (a payload in the ring, a close, a get
+/// or atomic request that must see the put before it) waits until the
+/// copies are done (gpu_copies.hpp). Each copy, in order, is then counted
+/// in `copied`, as a single copy, and the writer completes the frame. Host bytes whose
 /// place is `Device` memory (a host send into a `Device` receive, a put
 /// into a `Device` registration) are copied by the GPU out of the ring, a
 /// contiguous piece at a time, each consumed once its copy is done.
@@ -158,8 +164,12 @@ class connection final : public proto::engine {
       ce_ = copy_engine::of(s);
       set_device_direct(true, transfer_path::cuda_ipc);
     }
-    gpu_done_.self = this;
-    gpu_done_.done = &on_gpu_done;
+    ring_done_.self = this;
+    ring_done_.done = &on_ring_done;
+    for (ipc_job& j : ipc_jobs_) {
+      j.self = this;
+      j.done = &on_ipc_done;
+    }
     fence_done_.self = this;
     fence_done_.done = &on_fence_done;
     poller_.self = this;
@@ -198,12 +208,24 @@ class connection final : public proto::engine {
   struct gpu_node : copy_engine::completion {
     connection* self = nullptr;
   };
-  /// The reader's GPU copy in flight (it reads nothing meanwhile).
-  struct gpu_job {
+  /// A piece of the ring being copied into Device memory (the reader waits).
+  struct ring_job {
     bool active = false;
-    bool aborted = false;      // the engine stopped the placement: release, do not place
-    std::size_t ring_bytes = 0;  // a piece of the ring into Device memory (else a CUDA IPC copy)
+    bool aborted = false;  // the engine stopped the placement: release, do not place
+    std::size_t bytes = 0;
   };
+  /// A CUDA IPC frame's turn, in the order read: its copy out of the
+  /// peer's memory, then its count in `copied` and its placement's end.
+  struct ipc_job : copy_engine::completion {
+    connection* self = nullptr;
+    std::uint32_t ticket = 0;  // the engine's deferred placement; 0: the current one (the reader waits)
+    bool copying = false;      // false: a dropped payload's turn, nothing to copy
+    bool finished = false;
+    bool aborted = false;      // the engine stopped the current placement: release, do not place
+    std::error_code ec;
+  };
+  /// CUDA IPC copies in flight at most (the reader waits at the next).
+  static constexpr std::uint32_t max_ipc_jobs = 32;
   struct ring_poller final : poller {
     connection* self = nullptr;
     poll_status poll() noexcept override { return self->poll_ring(); }
@@ -242,12 +264,18 @@ class connection final : public proto::engine {
     // Host payloads are copied inside one event: nothing is in flight into
     // them. A GPU copy may be: the memory is free once it completes.
     if (tgt_.active) {
-      skip_ += (tgt_.want - tgt_.done - gpu_.ring_bytes) + tgt_.discard;
+      skip_ += (tgt_.want - tgt_.done - ring_copy_.bytes) + tgt_.discard;
       tgt_ = {};
     }
-    if (!gpu_.active) return true;
-    gpu_.aborted = true;
-    return false;
+    if (ring_copy_.active) {
+      ring_copy_.aborted = true;
+      return false;
+    }
+    if (ipc_current_) {
+      ipc_jobs_[(ipc_head_ + ipc_count_ - 1) % max_ipc_jobs].aborted = true;  // the newest
+      return false;
+    }
+    return true;
   }
   std::error_code link_check_device(const void* p, std::size_t n, const char** why) noexcept override {
     copy_engine::ipc_memory m;
@@ -264,7 +292,7 @@ class connection final : public proto::engine {
   }
   bool link_quiet() const noexcept override {
     return !ending_ && !bell_inflight_ && !watch_inflight_ && !linger_inflight_ && !kick_posted_ &&
-           done_.empty() && dropped_.empty() && sent_.empty() && !gpu_.active && !fence_inflight_;
+           done_.empty() && dropped_.empty() && sent_.empty() && !gpu_busy() && !fence_inflight_;
   }
   void link_release() noexcept override;
   transfer_path link_rx_path(bool) const noexcept override { return transfer_path::shared_memory; }
@@ -390,14 +418,25 @@ class connection final : public proto::engine {
   /// Copies a single-copy payload from the peer's memory (`from`) into its
   /// place, then counts it as copied. False: the connection failed.
   bool copy_from_peer(const proto::rx_plan& plan, std::uint64_t from) noexcept;
-  /// Starts the GPU copy of a CUDA IPC frame's payload (`body`, checked)
-  /// into its place. False: stop pumping (the copy runs, or it failed).
+  /// Starts the GPU copy of a CUDA IPC frame's payload (`m` and `off`,
+  /// checked) into its place. False: stop pumping (the reader waits for
+  /// the copy, or it failed). gpu_copies.hpp.
   bool start_ipc_copy(const proto::rx_plan& plan, const copy_engine::ipc_memory& m, std::uint64_t off) noexcept;
+  /// May the frame with header `h` (`ipc`: a descriptor frame) be read
+  /// while CUDA IPC copies run?
+  bool may_pass_copies(const proto::header& h, bool ipc) const noexcept;
+  static void on_ipc_done(copy_engine::completion* c, std::error_code ec) noexcept;
+  /// Ends the CUDA IPC jobs at the head that are done, in order.
+  void settle_ipc() noexcept;
   /// Starts the GPU copy of the next contiguous piece (at most `n` bytes)
   /// of the current host payload out of the ring into Device memory.
   void start_ring_copy(std::size_t n) noexcept;
-  /// A GPU copy of the reader's completed (the copy engine's poll).
-  static void on_gpu_done(copy_engine::completion* c, std::error_code ec) noexcept;
+  static void on_ring_done(copy_engine::completion* c, std::error_code ec) noexcept;
+  /// After a GPU copy's completion: what waited for it.
+  void after_gpu() noexcept;
+  bool gpu_busy() const noexcept { return ring_copy_.active || ipc_count_ != 0; }
+  /// The reader waits for a GPU copy.
+  bool reader_held() const noexcept { return ring_copy_.active || ipc_current_ || rx_waits_copies_; }
   /// The peer's copies counted one more: tell it.
   void count_copied() noexcept {
     auto& copied = rx_.control().copied;
@@ -418,7 +457,7 @@ class connection final : public proto::engine {
 
   // ---------------------------------------------------------------- the loop's side
 
-  bool reading() const noexcept { return live_ && !rx_paused_ && !failed() && !gpu_.active; }
+  bool reading() const noexcept { return live_ && !rx_paused_ && !failed() && !reader_held(); }
   poll_status poll_ring() noexcept;
   /// Nothing to do and the loop may sleep: set the waiting flags, look
   /// again, and keep the bell's read in flight.
@@ -456,7 +495,7 @@ class connection final : public proto::engine {
   /// its completion (`end_due_`).
   void end_socket(int how) noexcept {
     if (!parts_.sock.valid()) return;
-    if (gpu_.active && gpu_.ring_bytes == 0) {
+    if (ipc_count_ != 0) {
       end_due_ = std::max(end_due_, how);
       return;
     }
@@ -518,10 +557,15 @@ class connection final : public proto::engine {
   bool saw_close_ = false;  // the peer's close frame was read
   bool peer_gone_ = false;  // the socket hung up: the peer ended (in order or not)
   copy_engine* ce_ = nullptr;  // CUDA IPC: the scheduler's copy engine
-  gpu_node gpu_done_{};
-  gpu_job gpu_{};
-  bool hangup_due_ = false;  // the peer's hang-up came while a GPU copy ran: taken at its completion
-  int end_due_ = -1;  // a shutdown of the socket waiting for the GPU copy (SHUT_WR, SHUT_RDWR)
+  gpu_node ring_done_{};
+  ring_job ring_copy_{};
+  ipc_job ipc_jobs_[max_ipc_jobs]{};  // a ring of them: ipc_count_ from ipc_head_
+  std::uint32_t ipc_head_ = 0;
+  std::uint32_t ipc_count_ = 0;
+  bool ipc_current_ = false;      // the newest job is the current placement: the reader waits for it
+  bool rx_waits_copies_ = false;  // the next frame may not pass the copies in flight
+  bool hangup_due_ = false;  // the peer's hang-up came while a GPU copy ran: taken when none does
+  int end_due_ = -1;  // a shutdown of the socket waiting for the CUDA IPC copies (SHUT_WR, SHUT_RDWR)
 
   // the bell, the watch, the orderly end
   conn_op bell_op_{};

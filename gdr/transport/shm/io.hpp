@@ -19,6 +19,7 @@
 #include <gdr/protocol/engine/event_scope.hpp>
 #include <gdr/transport/shm/connection.hpp>
 #include <gdr/transport/shm/descriptors.hpp>
+#include <gdr/transport/shm/gpu_copies.hpp>
 
 namespace gdr::detail::shm {
 
@@ -278,73 +279,6 @@ inline bool connection::copy_from_peer(const proto::rx_plan& plan, std::uint64_t
   return !failed();
 }
 
-inline bool connection::start_ipc_copy(const proto::rx_plan& plan, const copy_engine::ipc_memory& m,
-                                        std::uint64_t off) noexcept {
-  skip_ = 0;
-  if (plan.want == 0) {  // nothing of it wanted (a dropped message)
-    count_copied();
-    on_placed(true);
-    if (take_waiter(rx_.control().writer_waiting)) ring_peer();
-    return !failed();
-  }
-  if (std::error_code ec = ce_->ipc_copy(m, off, plan.dst, plan.device, plan.want, &gpu_done_)) {
-    gdr::detail::log("shm", "a CUDA IPC copy out of pid %d's memory could not be started (%s); the connection fails",
-                     parts_.peer_pid, ec.message().c_str());
-    on_link_failed(ec);
-    return false;
-  }
-  gpu_ = {};
-  gpu_.active = true;
-  return false;
-}
-
-inline void connection::start_ring_copy(std::size_t n) noexcept {
-  std::size_t k = 0;
-  const std::byte* src = rx_.span(0, n, k);
-  if (std::error_code ec =
-          ce_->copy(copy_engine::direction::to_device, tgt_.device, tgt_.dst + tgt_.done, src, k, {}, &gpu_done_)) {
-    on_link_failed(ec);
-    return;
-  }
-  gpu_ = {};
-  gpu_.active = true;
-  gpu_.ring_bytes = k;
-  ++stats_.ring_gpu_copies;
-}
-
-inline void connection::on_gpu_done(copy_engine::completion* node, std::error_code ec) noexcept {
-  connection* c = static_cast<gpu_node*>(node)->self;
-  proto::event_scope ev(*c);
-  const gpu_job j = std::exchange(c->gpu_, gpu_job{});
-  if (j.ring_bytes != 0) {
-    // A piece of the ring is in Device memory: its room goes back.
-    c->rx_.consume(j.ring_bytes);
-    c->rx_.release();
-    if (!j.aborted) c->tgt_.done += j.ring_bytes;
-  } else if (!ec) {
-    ++c->stats_.ipc_copies;
-    c->count_copied();
-  }
-  if (take_waiter(c->rx_.control().writer_waiting)) c->ring_peer();
-  // This side's end waited for the copy (the peer's memory is its own
-  // again once the copy is counted): now.
-  if (c->end_due_ >= 0) c->end_socket(std::exchange(c->end_due_, -1));
-  if (j.aborted) {
-    c->on_target_released();
-  } else if (ec) {
-    if (!c->failed()) c->on_link_failed(ec);
-  } else if (j.ring_bytes == 0) {
-    c->on_placed(true);
-  }
-  if (c->reading()) c->pump();
-  if (c->hangup_due_ && !c->gpu_.active) {
-    c->hangup_due_ = false;
-    c->peer_ended();
-    c->return_finished();
-  }
-  c->on_io_done();
-}
-
 inline bool connection::parse_one(std::size_t& avail) noexcept {
   std::byte h[wire::header_size];
   rx_.peek(h, 0, wire::header_size);
@@ -365,6 +299,10 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   }
   if (r.seq != rx_seq_) {
     protocol_fail(gdr::tcp::frame_status::bad_field);  // out of step
+    return false;
+  }
+  if (ipc_count_ != 0 && !may_pass_copies(r.header, ipc)) {
+    rx_waits_copies_ = true;  // read again once the copies are done (settle_ipc)
     return false;
   }
   copy_engine::ipc_memory m;
@@ -456,7 +394,7 @@ inline void connection::pump() noexcept {
     budget -= std::min(budget, n);
     took = true;
   };
-  while (!corrupt && live_ && !failed() && !gpu_.active) {
+  while (!corrupt && live_ && !failed() && !reader_held()) {
     if (tgt_.active && tgt_.done == tgt_.want && !ending_) {
       target_done();  // (an empty payload is in place at once)
       continue;
@@ -631,7 +569,7 @@ inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept 
     if (c->ce_ != nullptr) c->ce_->ipc_forget(c->parts_.peer_pid);
     // What the peer wrote before it ended is read first: while the reader
     // waits for a GPU copy, its end is taken at the copy's completion.
-    if (c->gpu_.active) c->hangup_due_ = true;
+    if (c->gpu_busy()) c->hangup_due_ = true;
     else c->peer_ended();
   }
   c->return_finished();
@@ -648,8 +586,8 @@ inline void connection::peer_ended() noexcept {
     // What the peer wrote (still in the ring).
     const bool all_copied = sent_.empty();
     if (reading()) pump();
-    if (gpu_.active) {
-      hangup_due_ = true;  // the reader waits for a GPU copy again: go on at its completion
+    if (gpu_busy()) {
+      hangup_due_ = true;  // a GPU copy runs again: go on when none does
       return;
     }
     // An orderly end: the peer's close frame came (or is in what the

@@ -92,6 +92,8 @@ struct endpoint_stats : protocol_stats {
   bool peer_reads_me = false;       ///< the peer copies this side's large payloads itself (see single_copy_threshold)
   bool reads_peer = false;          ///< this side copies the peer's large payloads itself
   std::uint64_t ipc_copies = 0;     ///< Device payloads this side's GPU copied out of the peer's memory (CUDA IPC)
+  std::uint64_t ipc_read_past = 0;   ///< of them, copies the reader read on past (the next frame came before they were done)
+  std::uint64_t ipc_max_in_flight = 0;  ///< the most CUDA IPC copies of this side's in flight at once
   std::uint64_t ipc_exports = 0;    ///< Device payloads of this side's that went as CUDA IPC descriptors
   std::uint64_t fds_passed = 0;     ///< of them, with their allocation's file descriptor over the socket
   std::uint64_t fds_taken = 0;      ///< descriptors the peer passed that this side took

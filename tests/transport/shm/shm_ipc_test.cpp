@@ -139,6 +139,9 @@ std::size_t open_fds() {
 TEST_CASE("Device messages go by CUDA IPC: every size, both directions at once, several tags") {
   IPC_REQUIRE_DEVICE();
   const std::vector<std::size_t> sizes = {0, 1, 8, 4095, 16 * 1024, 64 * 1024 + 3, (1u << 20) + 7, 8u << 20};
+  // Twice: the CUDA driver opens descriptors of its own at first use (the
+  // context, IPC), which the second round finds open already.
+  for (int round = 0; round < 2; ++round)
   for_each_alloc([&](staged::dev_alloc how) {
   const std::size_t fds_before = open_fds();
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env&) -> gdr::task<> {
@@ -184,7 +187,7 @@ TEST_CASE("Device messages go by CUDA IPC: every size, both directions at once, 
   });
   // Every descriptor passed was closed: by the importer once used, by the
   // owner with its allocation.
-  CHECK(open_fds() == fds_before);
+  if (round == 1) CHECK(open_fds() == fds_before);
   });
 }
 
@@ -423,6 +426,85 @@ TEST_CASE("a Device receive stopped while its CUDA IPC copy runs is released onl
     CHECK(!x.error);
     CHECK(!y.error);
     CHECK(r2.read() == q);
+    co_await a.close();
+  });
+}
+
+TEST_CASE("the receiver reads on while CUDA IPC copies run: a window of Device messages arrives whole and in order") {
+  IPC_REQUIRE_DEVICE();
+  for_each_alloc([&](staged::dev_alloc) {
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
+    constexpr int window = 12;
+    const std::size_t n = 100000;
+    std::vector<std::unique_ptr<staged::dev_mem>> src, dst;
+    std::vector<gdr::task<op_report>> ops;
+    for (int i = 0; i < window; ++i) {
+      src.push_back(std::make_unique<staged::dev_mem>(n));
+      dst.push_back(std::make_unique<staged::dev_mem>(n));
+      src.back()->fill(pattern(n, 100 + static_cast<std::uint32_t>(i)));
+      dst.back()->set(std::byte{0});
+    }
+    // Every copy held until the receiver has read every descriptor frame:
+    // it read on past each copy instead of waiting for it.
+    env.hold();
+    for (int i = 0; i < window; ++i) {
+      ops.push_back(report_of(a.send(src[static_cast<std::size_t>(i)]->view(), tag{7})));
+      ops.push_back(report_of(b.recv(dst[static_cast<std::size_t>(i)]->view(), tag{7})));
+    }
+    auto releaser = [](staged::env& e) -> gdr::task<op_report> {
+      co_await gdr::sleep_for(50ms);
+      e.release();
+      co_return op_report{};
+    };
+    ops.push_back(releaser(env));
+    std::vector<op_report> done = co_await gdr::when_all(std::move(ops));
+    for (const op_report& r : done) CHECK(!r.error);
+    // Same tag: the i-th receive has the i-th message.
+    for (int i = 0; i < window; ++i) {
+      CAPTURE(i);
+      CHECK(dst[static_cast<std::size_t>(i)]->read() == pattern(n, 100 + static_cast<std::uint32_t>(i)));
+    }
+    CHECK(b.stats().ipc_copies == window);
+    if (staged::env::has_knobs) {
+      CHECK(b.stats().ipc_max_in_flight == window);
+      CHECK(b.stats().ipc_read_past == window - 1);
+    }
+    co_await a.close();
+  });
+  });
+}
+
+TEST_CASE("a get behind a put by CUDA IPC sees the put's bytes: the reader does not pass the put's copy") {
+  IPC_REQUIRE_DEVICE();
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
+    const std::size_t n = 200000;
+    auto p = pattern(n, 21);
+    staged::dev_mem target(n), src(n), back(n);
+    target.set(std::byte{0});
+    back.set(std::byte{0});
+    src.fill(p);
+    auto reg = gdr::register_memory(target.view());
+    env.hold();  // the put's copy waits; the get must wait behind it
+    std::size_t queued = 0;  // copies queued while held (the stand-in's count)
+    auto releaser = [](staged::env& e, std::size_t& q) -> gdr::task<op_report> {
+      co_await gdr::sleep_for(30ms);
+#if !GDR_HAS_CUDA
+      q = e.ce.in_flight();
+#else
+      (void)q;
+#endif
+      e.release();
+      co_return op_report{};
+    };
+    auto [rp, rg, _] = co_await gdr::when_all(report_of(a.put(src.view(), reg.describe(0))),
+                                              report_of(a.get(back.view(), reg.describe(0))), releaser(env, queued));
+    // Only the put's copy: the get's answer (and so its copy) waited.
+    if (staged::env::has_knobs) CHECK(queued == 1);
+    CHECK(!rp.error);
+    CHECK(!rg.error);
+    CHECK(back.read() == p);
+    CHECK(target.read() == p);
+    CHECK(b.stats().ipc_copies >= 1);
     co_await a.close();
   });
 }
