@@ -124,6 +124,11 @@ struct gpu_side {
                  static_cast<unsigned long long>(s.fd_imports), static_cast<unsigned long long>(s.hits),
                  static_cast<unsigned long long>(s.stale), static_cast<unsigned long long>(s.evictions),
                  static_cast<unsigned long long>(s.closed), static_cast<double>(s.max_import_ns) / 1e3);
+    const gdr::cuda::event_poller_stats& e = events->stats();
+    std::fprintf(stderr, "gdr_perf diag: pid %d copies %llu, fences %llu (idle %llu), queries %llu\n",
+                 static_cast<int>(::getpid()), static_cast<unsigned long long>(e.copies),
+                 static_cast<unsigned long long>(e.fences), static_cast<unsigned long long>(e.fences_idle),
+                 static_cast<unsigned long long>(e.queries));
   }
   std::optional<gdr::cuda::event_poller> events;
 #endif

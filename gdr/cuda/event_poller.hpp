@@ -156,6 +156,8 @@ struct event_poller_stats {
   std::uint64_t copies = 0;          ///< copy-engine copies queued (also counted in `enqueued`)
   std::uint64_t copy_nodes = 0;      ///< nodes created to track them (the freelist reuses them)
   std::uint64_t streams_created = 0;  ///< internal copy streams (one per GPU and direction used)
+  std::uint64_t fences = 0;          ///< `ipc_fence` calls (a Device payload about to be read by a peer)
+  std::uint64_t fences_idle = 0;     ///< of them, answered by idle streams alone (no GPU work queued)
 };
 
 class event_poller;
@@ -329,6 +331,8 @@ class event_poller final : public copy_engine {
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device, std::size_t n,
                            completion* c) noexcept override;  // event_poller_ipc.hpp
   std::error_code ipc_fence(int device, stream_order after, completion* c, bool& done_now) noexcept override;
+  /// No work left on GPU `device`'s legacy default stream, nor on `after`.
+  static bool streams_idle(int device, stream_order after) noexcept;
 
   void ipc_forget(int pid) noexcept override { ipc_.forget(pid); }
 
