@@ -22,9 +22,11 @@
 /// suballocates: rounding an 8-byte buffer up to 2 MiB would waste the GPU's
 /// memory; legacy IPC shares those.
 ///
-/// The process's rule is `vmm_use::never` (every buffer `cudaMalloc`'s)
-/// until this path has run on a GPU: its code is tested on the CPU through
-/// the copy engine's stand-ins only. `set_device_allocation({.vmm =
+/// The process's rule is `vmm_use::never` (every buffer `cudaMalloc`'s):
+/// the path passes its tests on a GPU, but a stream of shared-memory sends
+/// from such memory measured 2 GB/s on an H100 where `cudaMalloc` memory
+/// reached 90-550 GB/s (puts were as fast either way; the cause is not
+/// found, benchmarks/RESULTS.md). `set_device_allocation({.vmm =
 /// vmm_use::automatic})` turns it on.
 ///
 /// The registry. Every such allocation is recorded (base, size, handle,

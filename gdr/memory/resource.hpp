@@ -17,8 +17,8 @@
 ///           control: the sanitizers' runtime (ASan, TSan) intercepts `mlock`
 ///           and ignores it, so under them this memory is not actually locked.)
 ///   Device  `cudaMalloc`, or, as the process's rule says
-///           (`cuda::set_device_allocation`; off by default until it has run
-///           on a GPU), the CUDA virtual memory API (`cuMemCreate` with POSIX
+///           (`cuda::set_device_allocation`; off by default, gdr/cuda/vmm.hpp
+///           says why), the CUDA virtual memory API (`cuMemCreate` with POSIX
 ///           file-descriptor handles: memory another process can map,
 ///           gdr/cuda/vmm.hpp) from 1 MiB where the GPU supports it;
 ///           `allocation::method` says which a buffer got. The device is made
