@@ -98,12 +98,19 @@ struct bytes<gdr::Host> {
 /// The scheduler's CUDA event poller when a space is Device memory (the
 /// staged path's copy engine).
 struct gpu_side {
-  explicit gpu_side([[maybe_unused]] gdr::scheduler& s, [[maybe_unused]] bool needed) {
+  /// `role`: "server" or "client" (GDR_PERF_DEVICE_ALLOC_SERVER or _CLIENT,
+  /// where set, decides for that side alone).
+  explicit gpu_side([[maybe_unused]] gdr::scheduler& s, [[maybe_unused]] bool needed,
+                    [[maybe_unused]] const char* role = "") {
 #if GDR_HAS_CUDA
     // GDR_PERF_DEVICE_ALLOC=cudamalloc, vmm or automatic: how
     // gdr::buffer<Device> allocates (default: the process's rule), to
     // compare the two ways CUDA IPC shares memory.
-    if (const char* e = std::getenv("GDR_PERF_DEVICE_ALLOC"); e != nullptr && *e != 0) {
+    const char* e = std::getenv("GDR_PERF_DEVICE_ALLOC");
+    if (const char* r = std::getenv((std::string("GDR_PERF_DEVICE_ALLOC_") + (*role == 's' ? "SERVER" : "CLIENT")).c_str());
+        *role != 0 && r != nullptr && *r != 0)
+      e = r;
+    if (e != nullptr && *e != 0) {
       const std::string v = e;
       gdr::cuda::set_device_allocation(
           {.vmm = v == "vmm" ? gdr::cuda::vmm_use::always
@@ -314,7 +321,7 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
   auto server = [&](std::uint16_t port, const std::function<void()>& ready) {
     ::close(pp[0]);
     gdr::scheduler sched(so);
-    gpu_side g(sched, gpu);
+    gpu_side g(sched, gpu, "server");
     if (sp.transport == "tcp") {
       gdr::tcp::listener l(sched, "127.0.0.1:" + std::to_string(port));
       ready();
@@ -343,7 +350,7 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
   auto client = [&](std::uint16_t port) -> sample {
     ::close(pp[0]);
     gdr::scheduler sched(so);
-    gpu_side g(sched, gpu);
+    gpu_side g(sched, gpu, "client");
     measured m;
     if (sp.transport == "tcp") {
       m = gdr::sync_wait(sched, [&]() -> gdr::task<measured> {
