@@ -14,7 +14,8 @@
 /// current one (ticket 0: the engine would not defer it, and the reader
 /// waits for it) by `on_placed`, or released if the engine stopped it
 /// meanwhile. A failed copy fails the connection before its placement
-/// ends.
+/// ends, and from a failure on nothing is counted or placed: the jobs
+/// behind it end with the connection's error on both sides.
 ///
 /// The reader goes on while jobs run only with frames `may_pass_copies`
 /// allows; at any other frame it stops (`rx_waits_copies_`) until every
@@ -98,20 +99,23 @@ inline void connection::settle_ipc() noexcept {
     ipc_head_ = (ipc_head_ + 1) % max_ipc_jobs;
     --ipc_count_;
     const bool last = ipc_count_ == 0;
-    if (!done.ec) {
+    if (done.ec && !failed()) on_link_failed(done.ec);  // first: the placement's operation fails with it
+    // After a failure nothing more is counted: the peer's frames from
+    // there on end with the connection's error, as this side's receives
+    // do (the copies behind a failed one ran, but neither side uses them).
+    const bool ok = !done.ec && !failed();
+    if (ok) {
       if (done.copying) ++stats_.ipc_copies;
       if (done.ticket != 0 && !last) ++stats_.ipc_read_past;
       count_copied();
       counted = true;
-    } else if (!failed()) {
-      on_link_failed(done.ec);  // first: the placement's operation fails with it
     }
     if (done.ticket != 0) {
-      on_deferred_placed(done.ticket, !done.ec, true);
+      on_deferred_placed(done.ticket, ok, true);
     } else {
       ipc_current_ = false;
       if (done.aborted) on_target_released();
-      else if (!done.ec) on_placed(true);
+      else if (ok) on_placed(true);
     }
   }
   if (counted && take_waiter(rx_.control().writer_waiting)) ring_peer();

@@ -474,6 +474,53 @@ TEST_CASE("the receiver reads on while CUDA IPC copies run: a window of Device m
   });
 }
 
+TEST_CASE("a CUDA IPC copy that fails while the reader reads on fails the connection: every operation ends, none hangs") {
+  IPC_REQUIRE_DEVICE();
+  if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (failing a copy)");
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
+    constexpr int window = 6;
+    const std::size_t n = 70000;
+    std::vector<std::unique_ptr<staged::dev_mem>> src, dst;
+    std::vector<gdr::task<op_report>> sends, recvs;
+    for (int i = 0; i < window; ++i) {
+      src.push_back(std::make_unique<staged::dev_mem>(n));
+      dst.push_back(std::make_unique<staged::dev_mem>(n));
+      src.back()->fill(pattern(n, 300 + static_cast<std::uint32_t>(i)));
+    }
+    // The copies wait together; the second of them fails.
+    env.hold();
+    env.fail_copy(2);
+    for (int i = 0; i < window; ++i) {
+      sends.push_back(report_of(a.send(src[static_cast<std::size_t>(i)]->view(), tag{9})));
+      recvs.push_back(report_of(b.recv(dst[static_cast<std::size_t>(i)]->view(), tag{9})));
+    }
+    auto releaser = [](staged::env& e) -> gdr::task<> {
+      co_await gdr::sleep_for(30ms);
+      e.release();
+    };
+    auto [rs, rr, _] = co_await gdr::when_all(gdr::when_all(std::move(sends)), gdr::when_all(std::move(recvs)),
+                                              releaser(env));
+    // The first message arrived whole; from the failed copy on, every
+    // receive failed (the connection with it), and so did the sends whose
+    // bytes were not copied.
+    CHECK(!rr[0].error);
+    CHECK(dst[0]->read() == pattern(n, 300));
+    for (std::size_t i = 1; i < rr.size(); ++i) {
+      CAPTURE(i);
+      CHECK(rr[i].error);
+    }
+    CHECK(!rs[0].error);
+    for (std::size_t i = 1; i < rs.size(); ++i) {
+      CAPTURE(i);
+      CHECK(rs[i].error);  // not counted as copied: the sender learns it too
+    }
+    CHECK(b.stats().ipc_copies == 1);
+    CHECK(a.bounce_buffers_in_use() == std::pair<std::size_t, std::size_t>{0, 0});
+    co_await a.close();
+    co_await b.close();
+  });
+}
+
 TEST_CASE("a get behind a put by CUDA IPC sees the put's bytes: the reader does not pass the put's copy") {
   IPC_REQUIRE_DEVICE();
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
