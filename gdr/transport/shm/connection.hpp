@@ -61,10 +61,10 @@
 /// while the copy runs when the engine defers the placement (a whole
 /// operation's payload, a served put) and the next frame may pass it: the
 /// next descriptor frame (its copy queues behind on the same stream, so
-/// consecutive messages' copies run back to back), or an empty rts, rtr,
-/// credit or put ack; anything else (a payload in the ring, a close, a get
-/// or atomic request that must see the put before it) waits until the
-/// copies are done (gpu_copies.hpp). Each copy, in order, is then counted
+/// consecutive messages' copies run back to back), an empty rts, rtr,
+/// credit or put ack, or a message whose bytes are in the ring; anything
+/// else (a close, a put, a get or atomic request that must see the put
+/// before it) waits until the copies are done (gpu_copies.hpp). Each copy, in order, is then counted
 /// in `copied`, as a single copy, and the writer completes the frame. Host bytes whose
 /// place is `Device` memory (a host send into a `Device` receive, a put
 /// into a `Device` registration) are copied by the GPU out of the ring, a

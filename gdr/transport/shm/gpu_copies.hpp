@@ -18,8 +18,9 @@
 /// behind it end with the connection's error on both sides.
 ///
 /// The reader goes on while jobs run only with frames `may_pass_copies`
-/// allows; at any other frame it stops (`rx_waits_copies_`) until every
-/// job has ended. The peer's hang-up and this side's socket shutdown wait
+/// allows (the next descriptor frames, matching and flow control, and
+/// messages whose bytes are in the ring); at any other frame it stops
+/// (`rx_waits_copies_`) until every job has ended. The peer's hang-up and this side's socket shutdown wait
 /// for the jobs too (`hangup_due_`, `end_due_`): the peer's memory is its
 /// own again once its copies are counted.
 #pragma once
@@ -31,17 +32,21 @@ namespace gdr::detail::shm {
 
 inline bool connection::may_pass_copies(const proto::header& h, bool ipc) const noexcept {
   if (ipc) return ipc_count_ < max_ipc_jobs;
-  // Frames with nothing to place and nothing the user could see out of
-  // order: matching and flow control. A payload in the ring would need a
-  // place the copies might still write (and `copied` counts in order); a
-  // close would end the copies' operations; a get or an atomic must see
-  // the puts before it.
-  if (h.length != 0) return false;
   switch (h.type) {
+    // Matching and flow control, with nothing to place.
     case proto::msg::rts:
     case proto::msg::rtr:
     case proto::msg::credit:
-    case proto::msg::put_ack: return true;
+    case proto::msg::put_ack: return h.length == 0;
+    // A message whose bytes are in the ring: matched to its receive when
+    // its header comes, as the messages before it were, into memory of
+    // its own. Not one that comes as an address (`copied` counts those
+    // in order with the copies).
+    case proto::msg::eager:
+    case proto::msg::data: return !single_copy_in(h);
+    // A close would end the copies' operations; a put must not be
+    // overtaken by another into the same memory, a get or an atomic must
+    // see the puts before it; the rest are rare.
     default: return false;
   }
 }

@@ -474,6 +474,47 @@ TEST_CASE("the receiver reads on while CUDA IPC copies run: a window of Device m
   });
 }
 
+TEST_CASE("a host message behind a Device message is received while the Device message's CUDA IPC copy runs") {
+  IPC_REQUIRE_DEVICE();
+  if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (holding a copy)");
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
+    const std::size_t n = 100000;
+    auto p = pattern(n, 41);
+    auto q = pattern(300, 42);
+    staged::dev_mem src(n), dst(n);
+    src.fill(p);
+    std::vector<std::byte> got(q.size());
+    env.hold();  // the Device message's copy waits
+    bool host_first = false;
+    // Once the Device message's descriptor frame is read (its copy held),
+    // a host message follows it in the ring: its receive must not wait for
+    // the copy. (Its send does: the sender's frames complete in order,
+    // after the copy of the one before.)
+    auto recv_then_release = [](shm::endpoint& to, std::vector<std::byte>& v, staged::env& e,
+                                bool& first) -> gdr::task<op_report> {
+      op_report r = co_await report_of(to.recv(gdr::view<std::byte, gdr::Host>(v.data(), v.size()), tag{2}));
+      first = true;  // the Device copy is still held
+      e.release();
+      co_return r;
+    };
+    auto host_after = [](shm::endpoint& from, gdr::task<op_report> recv,
+                         std::vector<std::byte>& q) -> gdr::task<op_report> {
+      co_await gdr::sleep_for(30ms);
+      auto [s, r] = co_await gdr::when_all(report_of(from.send(gdr::host_view(q), tag{2})), std::move(recv));
+      co_return s.error ? s : r;
+    };
+    auto [s1, r1, h] = co_await gdr::when_all(report_of(a.send(src.view(), tag{1})), report_of(b.recv(dst.view(), tag{1})),
+                                              host_after(a, recv_then_release(b, got, env, host_first), q));
+    for (const op_report* r : {&s1, &r1, &h}) CHECK(!r->error);
+    CHECK(host_first);
+    CHECK(got == q);
+    CHECK(dst.read() == p);
+    CHECK(b.stats().ipc_copies == 1);
+    CHECK(b.stats().ipc_read_past == 0);  // (the host message is not a copy)
+    co_await a.close();
+  });
+}
+
 TEST_CASE("a CUDA IPC copy that fails while the reader reads on fails the connection: every operation ends, none hangs") {
   IPC_REQUIRE_DEVICE();
   if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (failing a copy)");
