@@ -89,6 +89,7 @@ inline std::string engine::describe() const {
   out += "credits " + std::to_string(credits_) + " msgs " + std::to_string(send_msgs_credit_) + " bytes " +
          std::to_string(send_bytes_credit_) + " holds " + std::to_string(order_holds_) + (paused_ ? " PAUSED" : "") +
          " early " + std::to_string(early_.size);
+  if (!deferred_.empty()) out += " deferred " + std::to_string(deferred_.size());
   list("held", held_);
   list("announced", announced_);
   list("recvs", recvs_);

@@ -20,9 +20,10 @@
 /// The reader goes on while jobs run only with frames `may_pass_copies`
 /// allows (the next descriptor frames, matching and flow control, and
 /// messages whose bytes are in the ring); at any other frame it stops
-/// (`rx_waits_copies_`) until every job has ended. The peer's hang-up and this side's socket shutdown wait
-/// for the jobs too (`hangup_due_`, `end_due_`): the peer's memory is its
-/// own again once its copies are counted.
+/// (`rx_waits_copies_`) until every job has ended. The peer's hang-up and
+/// this side's socket shutdown wait for the jobs too (`hangup_due_`,
+/// `end_due_`): the peer's memory is its own again once its copies are
+/// counted.
 #pragma once
 
 #include <gdr/log.hpp>
