@@ -54,21 +54,23 @@
 /// The reader keeps the last 16 such descriptors in slots the writer
 /// assigns, so an allocation sent again goes as mark 3 and its slot, with
 /// nothing passed. A full socket holds the writer back (`sock_blocked_`,
-/// tried again after 100 us) and nothing else. The reader
-/// checks the descriptor against the header and the peer, and has its copy
-/// engine copy the bytes straight out of the peer's allocation into their
-/// place (`copy_engine::ipc_copy`: imported once, then cached). It reads on
-/// while the copy runs when the engine defers the placement (a whole
-/// operation's payload, a served put) and the next frame may pass it: the
-/// next descriptor frame (its copy queues behind on the same stream, so
+/// tried again after 100 us) and nothing else. The reader checks the
+/// descriptor against the header and the peer, and has its copy engine
+/// copy the bytes straight out of the peer's allocation into their place
+/// (`copy_engine::ipc_copy`: imported once, then cached). It reads on while
+/// the copy runs when the engine defers the placement (a whole operation's
+/// payload, a served put) and the next frame may pass it: the next
+/// descriptor frame (its copy queues behind on the same stream, so
 /// consecutive messages' copies run back to back), an empty rts, rtr,
 /// credit or put ack, or a message whose bytes are in the ring; anything
-/// else (a close, a put, a get or atomic request that must see the put
-/// before it) waits until the copies are done (gpu_copies.hpp). Each copy, in order, is then counted
-/// in `copied`, as a single copy, and the writer completes the frame. Host bytes whose
-/// place is `Device` memory (a host send into a `Device` receive, a put
-/// into a `Device` registration) are copied by the GPU out of the ring, a
-/// contiguous piece at a time, each consumed once its copy is done.
+/// else (a close, a put with its bytes in the ring, a get or atomic
+/// request that must see the puts before it) waits until the copies are
+/// done (gpu_copies.hpp). Each copy, in order, is then counted in
+/// `copied`, as a single copy, and the writer completes the frame. Host
+/// bytes whose place is `Device` memory (a host send into a `Device`
+/// receive, a put into a `Device` registration) are copied by the GPU out
+/// of the ring, a contiguous piece at a time, each consumed once its copy
+/// is done.
 ///
 /// Reader. The connection is one of its scheduler's pollers: each loop
 /// iteration it looks at the peer's ring, and copies what arrived: a header

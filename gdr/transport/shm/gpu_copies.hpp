@@ -45,9 +45,9 @@ inline bool connection::may_pass_copies(const proto::header& h, bool ipc) const 
     // in order with the copies).
     case proto::msg::eager:
     case proto::msg::data: return !single_copy_in(h);
-    // A close would end the copies' operations; a put must not be
-    // overtaken by another into the same memory, a get or an atomic must
-    // see the puts before it; the rest are rare.
+    // A close would end the copies' operations; a put with its bytes in
+    // the ring must not overtake a put's copy into the same memory; a get
+    // or an atomic must see the puts before it; the rest are rare.
     default: return false;
   }
 }
