@@ -112,6 +112,15 @@ TEST_CASE("seeds the first runs found hold over CUDA IPC: no single copy, a clos
   run_seeds({transport_kind::shm_ipc}, {238, 281, 367, 516, 568});
 }
 
+TEST_CASE("seeds the long runs found hold over CUDA IPC: a closing side's unsent frames end with its close") {
+  // 761032: the peer hung up after its close frame, which this side had
+  // not read yet (its reader behind a pause, the copies in flight), while
+  // this side was closing too: a receive whose rtr was never written
+  // failed with peer_closed although the endpoint said closed. Frames that
+  // never went now end with what the endpoint says, this side's close.
+  run_seeds({transport_kind::shm_ipc}, {761032});
+}
+
 TEST_CASE("seeds the long runs found hold over TCP: nothing follows a close frame") {
   // A put or get moved as segments posted its next request after the close
   // frame had been posted; the peer, its reader paused for an rx bounce

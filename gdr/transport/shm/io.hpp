@@ -249,7 +249,13 @@ inline void connection::return_finished() noexcept {
   }
   while (frame* f = dropped_.pop_front()) {
     f->where = nowhere;
-    on_sent(*f, failed() ? error() : make_error_code(peer_gone_ ? errc::peer_closed : errc::closed));
+    // Why it was never written (or never copied): what the endpoint says
+    // (its failure, or this side's close: also when the peer has hung up
+    // and its close frame is not read yet, behind a pause or the copies),
+    // else the peer's end.
+    std::error_code why = state_error();
+    if (!why) why = make_error_code(peer_gone_ ? errc::peer_closed : errc::closed);
+    on_sent(*f, why);
   }
 }
 
