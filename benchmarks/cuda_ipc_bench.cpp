@@ -1,7 +1,7 @@
 // cuda_ipc_bench: what gdr's CUDA IPC mapping cache costs (gdr/cuda/ipc.hpp),
 // beside the raw driver calls, in the same run.
 //
-//   cuda_ipc_bench [--allocs N] [--size BYTES] [--hits N] [--vmm]
+//   cuda_ipc_bench [--allocs N] [--size BYTES] [--hits N] [--vmm] [--copies N]
 //
 // --vmm: the owner allocates as gdr::buffer<Device> does from 1 MiB (the
 // virtual memory API, gdr/cuda/vmm.hpp) and passes each allocation's file
@@ -17,6 +17,12 @@
 //     the same way, for the ratio;
 //   * looks up an open allocation again and again (a cache hit: what every
 //     copy after the first pays), timing acquire + release per hit.
+//   * with --copies N: times N copies of BYTES through the first mapping
+//     (out of it into a cudaMalloc buffer and into a buffer of the virtual
+//     memory API, and into it from a cudaMalloc buffer) beside N local
+//     cudaMalloc-to-cudaMalloc copies, in GB/s: what the mapping itself
+//     costs a copy, apart from any transport; and what an allocation and
+//     its free cost each way.
 // Goals (the CUDA IPC issue): first import <= 0.3 ms, hit < 1 us.
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -76,6 +82,71 @@ bool recv_memory(int sock, gdr::copy_engine::ipc_memory& m) {
   return true;
 }
 
+/// GB/s of `n` back-to-back copies of `size` bytes from `src` to `dst` on
+/// one stream (after one untimed copy).
+double copy_rate(void* dst, const void* src, std::size_t size, int n, cudaStream_t s) {
+  if (cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess)
+    return -1;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i)
+    if (cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, s) != cudaSuccess) return -1;
+  if (cudaStreamSynchronize(s) != cudaSuccess) return -1;
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(size) * n / (us * 1e3);
+}
+
+/// Median microseconds to allocate and free `size` bytes with cudaMalloc
+/// and with the virtual memory API (gdr::buffer<Device>'s two ways).
+void alloc_times(std::size_t size, int n) {
+  std::vector<double> m, v;
+  for (int i = 0; i < n; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    void* p = nullptr;
+    if (cudaMalloc(&p, size) != cudaSuccess) return;
+    (void)cudaFree(p);
+    auto t1 = std::chrono::steady_clock::now();
+    auto b = gdr::cuda::vmm_registry::instance().allocate(size, 0);
+    if (!b) return;
+    gdr::cuda::vmm_registry::instance().free(reinterpret_cast<void*>(b->base));
+    auto t2 = std::chrono::steady_clock::now();
+    m.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    v.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+  }
+  std::printf("allocate + free %zu bytes, median of %d: cudaMalloc %.1f us, virtual memory API %.1f us\n", size, n,
+              median(m), median(v));
+}
+
+/// --copies: the copy rates through the mapping of `m`, beside a local copy.
+bool copy_rates(gdr::cuda::ipc_share& cache, const gdr::copy_engine::ipc_memory& m, std::size_t size, int n) {
+  auto e = cache.acquire(m, 0);
+  if (!e) return false;
+  std::byte* mapped = (*e)->mapped;
+  void *a = nullptr, *b = nullptr;
+  cudaStream_t s = nullptr;
+  if (cudaMalloc(&a, size) != cudaSuccess || cudaMalloc(&b, size) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+    return false;
+  auto v = gdr::cuda::vmm_registry::instance().allocate(std::max<std::size_t>(size, 1), 0);
+  void* vb = v ? reinterpret_cast<void*>(v->base) : nullptr;
+  const double local = copy_rate(b, a, size, n, s);
+  const double out_to_malloc = copy_rate(a, mapped, size, n, s);
+  const double out_to_vmm = vb != nullptr ? copy_rate(vb, mapped, size, n, s) : -1;
+  const double into = copy_rate(mapped, a, size, n, s);
+  const double vmm_local = vb != nullptr ? copy_rate(b, vb, size, n, s) : -1;
+  std::printf("copies of %zu bytes, %d back to back, GB/s (ratio to the local copy):\n", size, n);
+  std::printf("  local cudaMalloc -> cudaMalloc:           %8.1f\n", local);
+  std::printf("  the peer's mapping -> local cudaMalloc:   %8.1f  (%.2fx)\n", out_to_malloc, out_to_malloc / local);
+  std::printf("  the peer's mapping -> local VMM:          %8.1f  (%.2fx)\n", out_to_vmm, out_to_vmm / local);
+  std::printf("  local cudaMalloc -> the peer's mapping:   %8.1f  (%.2fx)\n", into, into / local);
+  std::printf("  local VMM -> local cudaMalloc:            %8.1f  (%.2fx)\n", vmm_local, vmm_local / local);
+  if (vb != nullptr) gdr::cuda::vmm_registry::instance().free(vb);
+  (void)cudaFree(a);
+  (void)cudaFree(b);
+  (void)cudaStreamDestroy(s);
+  cache.release(*e);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -83,6 +154,7 @@ int main(int argc, char** argv) {
   std::size_t size = std::size_t{4} << 20;
   long hits = 200000;
   bool vmm = false;
+  int copies = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--vmm") vmm = true;
@@ -90,6 +162,7 @@ int main(int argc, char** argv) {
     else if (a == "--allocs") allocs = std::atoi(argv[++i]);
     else if (a == "--size") size = std::strtoull(argv[++i], nullptr, 10);
     else if (a == "--hits") hits = std::atol(argv[++i]);
+    else if (a == "--copies") copies = std::atoi(argv[++i]);
   }
   using memory = gdr::copy_engine::ipc_memory;
   int to_parent[2], to_child[2];
@@ -184,6 +257,8 @@ int main(int argc, char** argv) {
               vmm ? "driver calls (import, reserve, map, access)" : "cudaIpcOpenMemHandle", r, g / r);
   std::printf("cache hit (acquire + release):   %8.1f ns   goal < 1000 ns: %s\n", hit_ns,
               hit_ns < 1000 ? "met" : "not met");
+  if (copies > 0 && !copy_rates(cache, m0, size, copies)) return 1;
+  if (copies > 0) alloc_times(size, 20);
   char done = 1;
   if (::write(to_child[1], &done, 1) < 0) return 1;
   int st = 0;

@@ -84,8 +84,16 @@ struct measured {
 /// `n` bytes in space S, as a view.
 template <class S>
 struct bytes {
-  explicit bytes(std::size_t n, int gpu) : b(std::max<std::size_t>(n, 1), gpu) {}
+  explicit bytes(std::size_t n, int gpu) : b(allocate(n, gpu)) {}
   gdr::view<std::byte, S> view(std::size_t n) { return b.view().subview(0, n); }
+  static gdr::buffer<std::byte, S> allocate(std::size_t n, int gpu) {
+    auto t0 = now();
+    gdr::buffer<std::byte, S> b(std::max<std::size_t>(n, 1), gpu);
+    if (diag())
+      std::fprintf(stderr, "gdr_perf diag: pid %d allocated %zu bytes in %.1f us\n", static_cast<int>(::getpid()), n,
+                   elapsed_us(t0));
+    return b;
+  }
   gdr::buffer<std::byte, S> b;
 };
 template <>
@@ -190,11 +198,15 @@ void report_counters(const char* who, const E& ep) {
   }
 }
 
+/// Operations before a bandwidth run's clock starts (a send's receiver
+/// takes them before its window, then says it is ready).
+inline std::size_t bw_warmup(std::size_t warmup) { return std::min<std::size_t>(warmup, 8); }
+
 /// The passive side: echoes (send, latency), receives and acks (send,
 /// bandwidth), or exposes its memory until the initiator says it is done
 /// (put, get).
 template <class E, class PS>
-gdr::task<> serve(E& ep, const spec& sp, std::size_t size, std::size_t n, bool latency) {
+gdr::task<> serve(E& ep, const spec& sp, std::size_t size, std::size_t n, std::size_t warm, bool latency) {
   // (A fetch_add's word is 8 bytes whatever the size.)
   if (sp.operation == op::fetch_add) size = std::max<std::size_t>(size, sizeof(std::uint64_t));
   bytes<PS> mem(size, sp.peer.gpu);
@@ -205,6 +217,11 @@ gdr::task<> serve(E& ep, const spec& sp, std::size_t size, std::size_t n, bool l
         co_await ep.send(mem.view(got));
       }
     } else {
+      // The warm-up messages, then a word back: the timed window starts
+      // with both sides set up (buffers, GPU contexts, first imports).
+      for (std::size_t i = 0; i < warm; ++i) co_await ep.recv(mem.view(size));
+      std::array<std::byte, 1> ready{};
+      co_await ep.send(gdr::host_view(ready));
       const std::size_t depth = window(size);
       auto receiver = [&](std::size_t k) -> gdr::task<> {
         for (std::size_t i = k; i < n; i += depth) co_await ep.recv(mem.view(size));
@@ -267,7 +284,15 @@ gdr::task<measured> drive(E& ep, const spec& sp, std::size_t size, std::size_t n
       if (i >= warmup) m.v.add_us(elapsed_us(t0));
     }
   } else {
-    for (std::size_t i = 0; i < std::min<std::size_t>(warmup, 8) && sp.operation != op::send; ++i) co_await one();
+    auto w0 = now();
+    for (std::size_t i = 0; i < bw_warmup(warmup); ++i) co_await one();
+    if (sp.operation == op::send) {
+      std::array<std::byte, 1> ready{};
+      co_await ep.recv(gdr::host_view(ready));  // the receiver has the warm-up messages
+    }
+    if (diag())
+      std::fprintf(stderr, "gdr_perf diag: pid %d warm-up of %zu operations in %.1f us\n", static_cast<int>(::getpid()),
+                   bw_warmup(warmup), elapsed_us(w0));
     const std::size_t depth = window(size);
     auto t0 = now();
     auto worker = [&](std::size_t k) -> gdr::task<> {
@@ -306,7 +331,7 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
     measured m;
     std::thread passive([&, ep = std::move(b)]() mutable {
       pin(cfg.server_cpu);
-      gdr::sync_wait(sb, serve<gdr::loopback::endpoint, PS>(ep, sp, size, passive_n, latency));
+      gdr::sync_wait(sb, serve<gdr::loopback::endpoint, PS>(ep, sp, size, passive_n, bw_warmup(cfg.warmup), latency));
     });
     pin(cfg.client_cpu);
     m = gdr::sync_wait(sa, drive<gdr::loopback::endpoint, LS, PS>(a, sp, size, n, cfg.warmup, latency));
@@ -327,14 +352,14 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
       ready();
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
         gdr::tcp::endpoint ep = co_await l.accept();
-        co_await serve<gdr::tcp::endpoint, PS>(ep, sp, size, passive_n, latency);
+        co_await serve<gdr::tcp::endpoint, PS>(ep, sp, size, passive_n, bw_warmup(cfg.warmup), latency);
       }());
     } else if (sp.transport == "shm") {
       gdr::shm::listener l(sched, shm_name(port), gdr::default_registry(), shm_options());
       ready();
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
         gdr::shm::endpoint ep = co_await l.accept();
-        co_await serve<gdr::shm::endpoint, PS>(ep, sp, size, passive_n, latency);
+        co_await serve<gdr::shm::endpoint, PS>(ep, sp, size, passive_n, bw_warmup(cfg.warmup), latency);
       }());
     } else {
 #if GDR_HAS_VERBS
@@ -342,7 +367,7 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
       ready();
       gdr::sync_wait(sched, [&]() -> gdr::task<> {
         gdr::verbs::endpoint ep = co_await l.accept();
-        co_await serve<gdr::verbs::endpoint, PS>(ep, sp, size, passive_n, latency);
+        co_await serve<gdr::verbs::endpoint, PS>(ep, sp, size, passive_n, bw_warmup(cfg.warmup), latency);
       }());
 #endif
     }

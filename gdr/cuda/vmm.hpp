@@ -22,12 +22,16 @@
 /// suballocates: rounding an 8-byte buffer up to 2 MiB would waste the GPU's
 /// memory; legacy IPC shares those.
 ///
-/// The process's rule is `vmm_use::never` (every buffer `cudaMalloc`'s):
-/// the path passes its tests on a GPU, but a stream of shared-memory sends
-/// from such memory measured 2 GB/s on an H100 where `cudaMalloc` memory
-/// reached 90-550 GB/s (puts were as fast either way; the cause is not
-/// found, benchmarks/RESULTS.md). `set_device_allocation({.vmm =
-/// vmm_use::automatic})` turns it on.
+/// The process's rule is `vmm_use::automatic` by default;
+/// `set_device_allocation({.vmm = vmm_use::never})` makes every buffer
+/// `cudaMalloc`'s. A GPU that cannot share such memory gets `cudaMalloc`
+/// memory either way. Copies into, out of and through a peer's mapping of
+/// it run as fast as between `cudaMalloc` buffers (benchmarks/RESULTS.md).
+///
+/// The GPU's context. The driver calls below need none, but everything
+/// after them does: an allocation makes the runtime's primary context
+/// current, as `cudaMalloc` does, so that its cost (a quarter of a second
+/// on an H100) is paid here and not by the first copy or send.
 ///
 /// The registry. Every such allocation is recorded (base, size, handle,
 /// a process-unique id), so the CUDA copy engine's export finds it from
@@ -62,21 +66,21 @@ namespace gdr::cuda {
 
 /// When `gdr::buffer<T, Device>` uses the virtual memory API.
 enum class vmm_use : std::uint8_t {
-  automatic,  ///< from `vmm_min_bytes`, where the GPU supports it
+  automatic,  ///< from `vmm_min_bytes`, where the GPU supports it (the default)
   always,     ///< every size, where the GPU supports it
-  never,      ///< `cudaMalloc` only (the default for now: see the file comment)
+  never,      ///< `cudaMalloc` only
 };
 
 /// The process's rule for Device allocations (see the file comment).
 struct device_allocation {
-  vmm_use vmm = vmm_use::never;
+  vmm_use vmm = vmm_use::automatic;
   std::size_t vmm_min_bytes = std::size_t{1} << 20;
 };
 
 namespace detail {
 
 inline std::atomic<int>& vmm_use_setting() noexcept {
-  static std::atomic<int> v{static_cast<int>(vmm_use::never)};
+  static std::atomic<int> v{static_cast<int>(vmm_use::automatic)};
   return v;
 }
 inline std::atomic<std::size_t>& vmm_min_setting() noexcept {
@@ -240,6 +244,8 @@ class vmm_registry {
     if (bytes == 0 || !vmm_shareable(device)) return errc::unsupported;
     device_guard g(device);
     if (g.error()) return g.error();
+    // The runtime's context, as cudaMalloc would make it (see the file comment).
+    if (std::error_code ec = check(cudaFree(nullptr), "cudaFree (making the GPU's context)")) return ec;
     const detail::vmm_caps caps = detail::query_caps(device);
     const CUmemAllocationProp prop = detail::vmm_prop(caps);
     std::size_t gran = 0;

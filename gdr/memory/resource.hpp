@@ -16,11 +16,11 @@
 ///           fallback to pageable memory. (One exception outside gdr's
 ///           control: the sanitizers' runtime (ASan, TSan) intercepts `mlock`
 ///           and ignores it, so under them this memory is not actually locked.)
-///   Device  `cudaMalloc`, or, as the process's rule says
-///           (`cuda::set_device_allocation`; off by default, gdr/cuda/vmm.hpp
-///           says why), the CUDA virtual memory API (`cuMemCreate` with POSIX
+///   Device  As the process's rule says (`cuda::set_device_allocation`):
+///           by default the CUDA virtual memory API (`cuMemCreate` with POSIX
 ///           file-descriptor handles: memory another process can map,
-///           gdr/cuda/vmm.hpp) from 1 MiB where the GPU supports it;
+///           gdr/cuda/vmm.hpp) from 1 MiB where the GPU supports it, and
+///           `cudaMalloc` below that, on other GPUs, or with `vmm_use::never`;
 ///           `allocation::method` says which a buffer got. The device is made
 ///           current for the call and restored after. Without a GPU: `errc::no_device`, and
 ///           `failure_message` says why (no driver, no device, bad ordinal).

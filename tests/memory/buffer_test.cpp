@@ -113,7 +113,9 @@ TEST_CASE("a device buffer is on its GPU, or fails with no_device saying why") {
   gdr::buffer<float, gdr::Device> d(1 << 20, 0);
   CHECK(d.size() == (1u << 20));
   CHECK(d.device() == 0);
-  CHECK(d.method() == gdr::alloc_method::cuda_malloc);  // the process's rule: vmm_use::never by default
+  // The process's rule, vmm_use::automatic by default: 4 MiB is shareable
+  // memory where the GPU can make it.
+  CHECK(d.method() == (gdr::cuda::vmm_shareable(0) ? gdr::alloc_method::cuda_vmm : gdr::alloc_method::cuda_malloc));
   CHECK(d.view().device() == 0);
   cudaPointerAttributes attr{};
   REQUIRE(cudaPointerGetAttributes(&attr, d.data()) == cudaSuccess);
@@ -169,7 +171,7 @@ TEST_CASE("with vmm_use::automatic a device buffer from 1 MiB is shareable memor
   gdr::buffer<std::byte, gdr::Device> tiny(8);
   CHECK(tiny.method() == gdr::alloc_method::cuda_vmm);
   gdr::cuda::set_device_allocation({});
-  CHECK(gdr::cuda::current_device_allocation().vmm == gdr::cuda::vmm_use::never);
+  CHECK(gdr::cuda::current_device_allocation().vmm == gdr::cuda::vmm_use::automatic);
 }
 
 TEST_CASE("a pinned buffer on a GPU machine is known to CUDA as host memory") {
