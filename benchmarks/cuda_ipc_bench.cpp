@@ -116,6 +116,70 @@ void alloc_times(std::size_t size, int n) {
               median(m), median(v));
 }
 
+/// What the calls around one CUDA IPC copy cost the CPU (median us): the
+/// copy's launch out of the mapping, an event recorded behind it, a query
+/// of that event, and a query of the legacy stream (the sender's fence).
+void call_costs(void* dst, const void* mapped, std::size_t size, int n, cudaStream_t s) {
+  std::vector<double> launch, record, query, legacy;
+  cudaEvent_t ev = nullptr;
+  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) return;
+  auto us = [](auto t0, auto t1) { return std::chrono::duration<double, std::micro>(t1 - t0).count(); };
+  for (int i = 0; i < n; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    (void)cudaMemcpyAsync(dst, mapped, size, cudaMemcpyDefault, s);
+    auto t1 = std::chrono::steady_clock::now();
+    (void)cudaEventRecord(ev, s);
+    auto t2 = std::chrono::steady_clock::now();
+    (void)cudaEventQuery(ev);
+    auto t3 = std::chrono::steady_clock::now();
+    (void)cudaStreamQuery(cudaStreamLegacy);
+    auto t4 = std::chrono::steady_clock::now();
+    launch.push_back(us(t0, t1));
+    record.push_back(us(t1, t2));
+    query.push_back(us(t2, t3));
+    legacy.push_back(us(t3, t4));
+  }
+  (void)cudaGetLastError();
+  (void)cudaStreamSynchronize(s);
+  (void)cudaEventDestroy(ev);
+  std::printf("CPU per call, median us: cudaMemcpyAsync out of the mapping %.2f, cudaEventRecord %.2f, "
+              "cudaEventQuery %.2f, cudaStreamQuery(legacy) %.2f\n",
+              median(launch), median(record), median(query), median(legacy));
+}
+
+/// The launch of one copy out of the mapping by size and call (median CPU
+/// us of `n`, synchronized every 16 so the queue stays short): the
+/// runtime with cudaMemcpyDefault, with cudaMemcpyDeviceToDevice, and the
+/// driver's cuMemcpyDtoDAsync.
+void launch_costs(void* dst, const void* mapped, std::size_t size, int n, cudaStream_t s) {
+  using dtod_fn = CUresult (*)(CUdeviceptr, CUdeviceptr, std::size_t, CUstream);
+  dtod_fn dtod = nullptr;
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult st{};
+  if (cudaGetDriverEntryPointByVersion("cuMemcpyDtoDAsync", &p, 12000, cudaEnableDefault, &st) == cudaSuccess &&
+      st == cudaDriverEntryPointSuccess)
+    dtod = reinterpret_cast<dtod_fn>(p);
+  std::printf("launch of one copy out of the mapping, median CPU us (Default / DeviceToDevice / cuMemcpyDtoDAsync):\n");
+  for (std::size_t sz : {std::size_t{8}, std::size_t{64} << 10, std::size_t{1} << 20, size}) {
+    if (sz > size) continue;
+    std::vector<double> t[3];
+    for (int way = 0; way < 3; ++way) {
+      for (int i = 0; i < n; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        if (way == 0) (void)cudaMemcpyAsync(dst, mapped, sz, cudaMemcpyDefault, s);
+        else if (way == 1) (void)cudaMemcpyAsync(dst, mapped, sz, cudaMemcpyDeviceToDevice, s);
+        else if (dtod != nullptr)
+          (void)dtod(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(mapped), sz,
+                     reinterpret_cast<CUstream>(s));
+        t[way].push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+        if (i % 16 == 15) (void)cudaStreamSynchronize(s);
+      }
+      (void)cudaStreamSynchronize(s);
+    }
+    std::printf("  %9zu bytes: %.2f / %.2f / %.2f\n", sz, median(t[0]), median(t[1]), median(t[2]));
+  }
+}
+
 /// --copies: the copy rates through the mapping of `m`, beside a local copy.
 bool copy_rates(gdr::cuda::ipc_share& cache, const gdr::copy_engine::ipc_memory& m, std::size_t size, int n) {
   auto e = cache.acquire(m, 0);
@@ -139,6 +203,8 @@ bool copy_rates(gdr::cuda::ipc_share& cache, const gdr::copy_engine::ipc_memory&
   std::printf("  the peer's mapping -> local VMM:          %8.1f  (%.2fx)\n", out_to_vmm, out_to_vmm / local);
   std::printf("  local cudaMalloc -> the peer's mapping:   %8.1f  (%.2fx)\n", into, into / local);
   std::printf("  local VMM -> local cudaMalloc:            %8.1f  (%.2fx)\n", vmm_local, vmm_local / local);
+  call_costs(a, mapped, size, n, s);
+  launch_costs(a, mapped, size, n, s);
   if (vb != nullptr) gdr::cuda::vmm_registry::instance().free(vb);
   (void)cudaFree(a);
   (void)cudaFree(b);
