@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -410,6 +411,33 @@ measured run_spaces(const config& cfg, const spec& sp, std::size_t size, std::si
   if (::read(pp[0], path, sizeof path) == static_cast<ssize_t>(sizeof path)) m.path = path;
   ::close(pp[0]);
   return m;
+}
+
+/// The limit of a host transfer between two processes of one node: one
+/// CPU's `memcpy` of `size` bytes between two buffers of this process.
+/// Latency: two copies (a round trip's worth), microseconds; bandwidth: a
+/// stream of at least 20 copies after one untimed, GB/s.
+inline void local_host_copy(std::size_t size, std::size_t iters, std::size_t count, sample& lat, sample& bw) {
+  const std::size_t n = std::max<std::size_t>(size, 1);
+  std::vector<std::byte> a(n, std::byte{1}), b(n);
+  sample l;
+  for (std::size_t i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(b.data(), a.data(), size);
+    std::memcpy(a.data(), b.data(), size);
+    asm volatile("" : : "r"(a.data()), "r"(b.data()) : "memory");  // the copies happen
+    l.add(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  lat.add(l.median());
+  count = std::max<std::size_t>(count, 20);
+  std::memcpy(b.data(), a.data(), size);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < count; ++i) {
+    std::memcpy(b.data(), a.data(), size);
+    asm volatile("" : : "r"(b.data()) : "memory");
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  bw.add(static_cast<double>(size) * static_cast<double>(count) / secs / 1e9);
 }
 
 /// The local copy a CUDA IPC transfer is measured against: `cudaMemcpy`

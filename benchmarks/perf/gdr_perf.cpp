@@ -23,7 +23,9 @@
 // MPI's tcp BTL for --transport tcp, its shared-memory BTL for shm and loopback;
 // the binary beside gdr_perf, or GDR_PERF_MPI), cudamemcpy (Device to
 // Device: cudaMemcpy device-to-device of the same size in one process:
-// latency two synchronous copies, bandwidth a stream of them). A peer that does not fit
+// latency two synchronous copies, bandwidth a stream of them), memcpy (host
+// memory: one CPU's memcpy of the same size in one process, the limit of a
+// copy between processes; latency two copies, bandwidth a stream). A peer that does not fit
 // the run, or is not installed, prints n/a with the reason.
 //
 // Bandwidth: gdr and the raw stream run --bw-reps times each (default 3),
@@ -260,10 +262,13 @@ std::vector<peer> peers_for(const options& o) {
     } else if (n == "cudamemcpy") {
       if (sp.local.kind != space::device || sp.peer.kind != space::device)
         p.unfit = "cudamemcpy compares Device to Device transfers with a local device-to-device copy";
+    } else if (n == "memcpy") {
+      if (sp.local.kind == space::device || sp.peer.kind == space::device)
+        p.unfit = "memcpy compares host transfers with one CPU's local copy";
     } else {
-      bad("--vs " + n + ": raw, iperf3, ucx_perftest, perftest, mpi, cudamemcpy or none");
+      bad("--vs " + n + ": raw, iperf3, ucx_perftest, perftest, mpi, cudamemcpy, memcpy or none");
     }
-    if (p.unfit.empty() && n != "raw" && n != "perftest" && n != "mpi" && n != "cudamemcpy" &&
+    if (p.unfit.empty() && n != "raw" && n != "perftest" && n != "mpi" && n != "cudamemcpy" && n != "memcpy" &&
         !perf::external::have(n.c_str()))
       p.unfit = n + " is not installed";
     out.push_back(p);
@@ -296,6 +301,11 @@ void measure_peer(const options& o, peer& p, std::size_t size) {
     perf::sample l, b;
     for (int rep = 0; rep < o.bw_reps; ++rep)
       if (!perf::ops::local_device_copy(o.sp.local.gpu, size, li, bc, l, b)) break;
+    p.lat = med(l);
+    p.bw = med(b);
+  } else if (p.name == "memcpy") {
+    perf::sample l, b;
+    for (int rep = 0; rep < o.bw_reps; ++rep) perf::ops::local_host_copy(size, li, bc, l, b);
     p.lat = med(l);
     p.bw = med(b);
   } else if (p.name == "perftest") {
