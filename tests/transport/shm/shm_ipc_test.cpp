@@ -63,6 +63,25 @@ namespace {
     }                                                             \
   } while (0)
 
+#define IPC_REQUIRE_KNOBS(what)                                                        \
+  do {                                                                                 \
+    if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (" what ")"); \
+  } while (0)
+
+/// `count` Device sources of `n` bytes, each filled with pattern(n, seed + i),
+/// and as many destinations, zeroed.
+struct dev_pairs {
+  std::vector<std::unique_ptr<staged::dev_mem>> src, dst;
+  dev_pairs(int count, std::size_t n, std::uint32_t seed) {
+    for (int i = 0; i < count; ++i) {
+      src.push_back(std::make_unique<staged::dev_mem>(n));
+      dst.push_back(std::make_unique<staged::dev_mem>(n));
+      src.back()->fill(pattern(n, seed + static_cast<std::uint32_t>(i)));
+      dst.back()->set(std::byte{0});
+    }
+  }
+};
+
 /// The copy engine's CUDA IPC on: the stand-in's switch (the CUDA engine's
 /// is the GPU itself).
 void enable_ipc(staged::env& e) {
@@ -320,7 +339,7 @@ TEST_CASE("a Device message larger than its Device receive is truncated by CUDA 
 
 TEST_CASE("descriptors of shareable allocations wait in their queue while the socket is full, and every message arrives") {
   IPC_REQUIRE_DEVICE();
-  if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (holding the copies)");
+  IPC_REQUIRE_KNOBS("holding the copies");
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
     // Device messages out of many shareable allocations: each frame passes
     // its allocation's descriptor. The importer's copies are held, so its
@@ -400,7 +419,7 @@ TEST_CASE("an allocation sent again passes its descriptor once: the receiver kee
 
 TEST_CASE("a Device receive stopped while its CUDA IPC copy runs is released only once the copy is done") {
   IPC_REQUIRE_DEVICE();
-  if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (holding a copy)");
+  IPC_REQUIRE_KNOBS("holding a copy");
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
     const std::size_t n = 300000;
     auto p = pattern(n, 8), q = pattern(n, 10);
@@ -436,14 +455,9 @@ TEST_CASE("the receiver reads on while CUDA IPC copies run: a window of Device m
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
     constexpr int window = 12;
     const std::size_t n = 100000;
-    std::vector<std::unique_ptr<staged::dev_mem>> src, dst;
+    dev_pairs m(window, n, 100);
+    auto& [src, dst] = m;
     std::vector<gdr::task<op_report>> ops;
-    for (int i = 0; i < window; ++i) {
-      src.push_back(std::make_unique<staged::dev_mem>(n));
-      dst.push_back(std::make_unique<staged::dev_mem>(n));
-      src.back()->fill(pattern(n, 100 + static_cast<std::uint32_t>(i)));
-      dst.back()->set(std::byte{0});
-    }
     // Every copy held until the receiver has read every descriptor frame:
     // it read on past each copy instead of waiting for it.
     env.hold();
@@ -476,7 +490,7 @@ TEST_CASE("the receiver reads on while CUDA IPC copies run: a window of Device m
 
 TEST_CASE("a host message behind a Device message is received while the Device message's CUDA IPC copy runs") {
   IPC_REQUIRE_DEVICE();
-  if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (holding a copy)");
+  IPC_REQUIRE_KNOBS("holding a copy");
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
     const std::size_t n = 100000;
     auto p = pattern(n, 41);
@@ -517,17 +531,13 @@ TEST_CASE("a host message behind a Device message is received while the Device m
 
 TEST_CASE("a CUDA IPC copy that fails while the reader reads on fails the connection: every operation ends, none hangs") {
   IPC_REQUIRE_DEVICE();
-  if (!staged::env::has_knobs) GDR_SKIP("needs the CPU copy engine's knobs (failing a copy)");
+  IPC_REQUIRE_KNOBS("failing a copy");
   run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
     constexpr int window = 6;
     const std::size_t n = 70000;
-    std::vector<std::unique_ptr<staged::dev_mem>> src, dst;
+    dev_pairs m(window, n, 300);
+    auto& [src, dst] = m;
     std::vector<gdr::task<op_report>> sends, recvs;
-    for (int i = 0; i < window; ++i) {
-      src.push_back(std::make_unique<staged::dev_mem>(n));
-      dst.push_back(std::make_unique<staged::dev_mem>(n));
-      src.back()->fill(pattern(n, 300 + static_cast<std::uint32_t>(i)));
-    }
     // The copies wait together; the second of them fails.
     env.hold();
     env.fail_copy(2);
