@@ -134,12 +134,12 @@ struct gpu_side {
     const gdr::cuda::ipc_stats& s = events->ipc().stats();
     std::fprintf(stderr,
                  "gdr_perf diag: pid %d CUDA IPC exports %llu (fd %llu), imports %llu (fd %llu), hits %llu, stale "
-                 "%llu, evictions %llu, closed %llu, longest import %.1f us\n",
+                 "%llu, evictions %llu, released %llu, closed %llu, longest import %.1f us\n",
                  static_cast<int>(::getpid()), static_cast<unsigned long long>(s.exports),
                  static_cast<unsigned long long>(s.fd_exports), static_cast<unsigned long long>(s.imports),
                  static_cast<unsigned long long>(s.fd_imports), static_cast<unsigned long long>(s.hits),
                  static_cast<unsigned long long>(s.stale), static_cast<unsigned long long>(s.evictions),
-                 static_cast<unsigned long long>(s.closed), static_cast<double>(s.max_import_ns) / 1e3);
+                 static_cast<unsigned long long>(s.released), static_cast<unsigned long long>(s.closed), static_cast<double>(s.max_import_ns) / 1e3);
     const gdr::cuda::event_poller_stats& e = events->stats();
     std::fprintf(stderr, "gdr_perf diag: pid %d copies %llu, fences %llu (idle %llu), queries %llu\n",
                  static_cast<int>(::getpid()), static_cast<unsigned long long>(e.copies),

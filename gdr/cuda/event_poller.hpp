@@ -335,6 +335,13 @@ class event_poller final : public copy_engine {
   static bool streams_idle(int device, stream_order after) noexcept;
 
   void ipc_forget(int pid) noexcept override { ipc_.forget(pid); }
+  std::uint64_t ipc_frees() const noexcept override { return vmm_registry::instance().exported_frees(); }
+  bool ipc_alive(std::uint64_t base, std::uint64_t buffer_id) const noexcept override {
+    return vmm_registry::instance().alive(base, buffer_id);
+  }
+  void ipc_release(int pid, std::uint64_t base, std::uint64_t buffer_id) noexcept override {
+    ipc_.release_freed(pid, base, buffer_id);
+  }
 
   /// The CUDA IPC exports and the cache of imported allocations.
   const ipc_share& ipc() const noexcept { return ipc_; }

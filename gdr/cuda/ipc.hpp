@@ -76,6 +76,7 @@ struct ipc_stats {
   std::uint64_t stale = 0;            ///< hits refused: the buffer id changed (replaced)
   std::uint64_t evictions = 0;        ///< entries closed to stay within the bounds
   std::uint64_t closed = 0;           ///< allocations closed (`cudaIpcCloseMemHandle`)
+  std::uint64_t released = 0;         ///< entries let go because their owner said it freed them
   std::uint64_t last_import_ns = 0;   ///< how long the last import took
   std::uint64_t max_import_ns = 0;    ///< the longest
 };
@@ -306,6 +307,20 @@ class ipc_share {
     for (auto it = open_.begin(); it != open_.end();) {
       auto next = std::next(it);
       if (std::get<0>(it->first) == pid) retire(it);
+      it = next;
+    }
+  }
+
+  /// Process `pid` freed its allocation at `base` with id `buffer_id`
+  /// (it told this side): that entry is closed, once no copy uses it.
+  /// Another allocation at that address (another id) stays.
+  void release_freed(int pid, std::uint64_t base, std::uint64_t buffer_id) noexcept {
+    for (auto it = open_.begin(); it != open_.end();) {
+      auto next = std::next(it);
+      if (std::get<0>(it->first) == pid && std::get<2>(it->first) == base && it->second->buffer_id == buffer_id) {
+        ++stats_.released;
+        retire(it);
+      }
       it = next;
     }
   }

@@ -289,7 +289,8 @@ class vmm_registry {
 
   /// Frees the allocation at `base` (made by `allocate`): waits for its GPU
   /// as `cudaFree` does, unmaps it and lets its handle and descriptor go.
-  /// An importer that still maps it keeps the memory until it unmaps.
+  /// An importer that still maps it keeps the memory until it unmaps (a
+  /// shared-memory peer is told, `exported_frees`, and lets it go).
   void free(const void* base) noexcept {
     record r;
     {
@@ -308,7 +309,21 @@ class vmm_registry {
     if (std::error_code ec = detail::drv(api.unmap(va, r.block.size), "cuMemUnmap")) detail::log_error(ec, "cuMemUnmap");
     (void)api.address_free(va, r.block.size);
     (void)api.release(r.handle);
-    if (r.block.fd >= 0) ::close(r.block.fd);
+    if (r.block.fd >= 0) {
+      ::close(r.block.fd);
+      frees_.fetch_add(1, std::memory_order_release);  // its descriptor went to peers, maybe: they hear of it
+    }
+  }
+
+  /// Changes whenever an allocation whose descriptor was exported is freed
+  /// (`copy_engine::ipc_frees`).
+  std::uint64_t exported_frees() const noexcept { return frees_.load(std::memory_order_acquire); }
+
+  /// Is allocation `base` with id `id` still allocated?
+  bool alive(std::uint64_t base, std::uint64_t id) const noexcept {
+    std::lock_guard lk(mu_);
+    auto it = blocks_.find(static_cast<std::uintptr_t>(base));
+    return it != blocks_.end() && it->second.block.id == id;
   }
 
   /// The allocation holding `[p, p + n)`, with its descriptor exported (once,
@@ -350,6 +365,7 @@ class vmm_registry {
   mutable std::mutex mu_;
   std::map<std::uintptr_t, record> blocks_;
   std::uint64_t next_id_ = 0;
+  std::atomic<std::uint64_t> frees_{0};
 };
 
 /// The importer's half: maps a peer's allocation from its descriptor `fd`

@@ -175,6 +175,25 @@ class copy_engine : public poller {
   /// let go (each once no copy uses it).
   virtual void ipc_forget(int pid) noexcept { (void)pid; }
 
+  // Allocations that travel as a file descriptor (`ipc_kind::fd`) live
+  // while any process holds them. So that a peer does not keep one the
+  // owner freed, the owner's transport tells the peer when one it passed is
+  // freed:
+  /// A count that changes whenever this process frees an allocation it
+  /// exported as a file descriptor (any thread; compared, never summed).
+  virtual std::uint64_t ipc_frees() const noexcept { return 0; }
+  /// Is this process's allocation `base` with id `buffer_id`, exported as a
+  /// file descriptor, still allocated?
+  virtual bool ipc_alive(std::uint64_t base, std::uint64_t buffer_id) const noexcept {
+    (void)base, (void)buffer_id;
+    return true;
+  }
+  /// Process `pid` freed its allocation `base` with id `buffer_id`: its
+  /// mapping here is let go (once no copy uses it).
+  virtual void ipc_release(int pid, std::uint64_t base, std::uint64_t buffer_id) noexcept {
+    (void)pid, (void)base, (void)buffer_id;
+  }
+
   /// The copy engine of `s`, or null.
   static copy_engine* of(const scheduler& s) noexcept { return s.poller_slot<copy_engine>(); }
 };

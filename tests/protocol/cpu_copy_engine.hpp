@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -88,6 +89,15 @@ class fd_blocks {
     ::munmap(p, it->second.size);
     ::close(it->second.fd);
     blocks_.erase(it);
+    frees_.fetch_add(1, std::memory_order_release);
+  }
+  /// Changes with every free (`copy_engine::ipc_frees`).
+  std::uint64_t frees() const noexcept { return frees_.load(std::memory_order_acquire); }
+  /// Is block `base` with id `id` still allocated?
+  bool alive(std::uint64_t base, std::uint64_t id) {
+    std::lock_guard lk(mu_);
+    auto it = blocks_.find(static_cast<std::uintptr_t>(base));
+    return it != blocks_.end() && it->second.id == id;
   }
   /// The block holding `[p, p + n)`.
   bool find(const void* p, std::size_t n, fd_block& out) {
@@ -105,6 +115,7 @@ class fd_blocks {
   std::mutex mu_;
   std::map<std::uintptr_t, fd_block> blocks_;
   std::uint64_t next_id_ = 0;
+  std::atomic<std::uint64_t> frees_{0};
 };
 
 class cpu_copy_engine final : public gdr::copy_engine {
@@ -206,6 +217,23 @@ class cpu_copy_engine final : public gdr::copy_engine {
     if (in_flight_ == 0) unmap_retired();
   }
 
+  std::uint64_t ipc_frees() const noexcept override { return fd_blocks::instance().frees(); }
+  bool ipc_alive(std::uint64_t base, std::uint64_t buffer_id) const noexcept override {
+    try {
+      return fd_blocks::instance().alive(base, buffer_id);
+    } catch (...) {
+      return true;  // (the lock failed) asked again at the next free
+    }
+  }
+  void ipc_release(int pid, std::uint64_t base, std::uint64_t buffer_id) noexcept override {
+    auto it = mapped_.find({pid, base});
+    if (it == mapped_.end() || it->second.id != buffer_id) return;
+    ++ipc_releases;
+    retired_.push_back(it->second);
+    mapped_.erase(it);
+    if (in_flight_ == 0) unmap_retired();
+  }
+
   pinned_block allocate_pinned(std::size_t n) noexcept override {
     auto* p = static_cast<std::byte*>(::operator new(n, std::align_val_t{64}, std::nothrow));
     if (p != nullptr) ++pinned_blocks;
@@ -268,6 +296,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
   std::size_t ipc_exports = 0;
   std::size_t ipc_copies = 0;
   std::size_t ipc_forgets = 0;
+  std::size_t ipc_releases = 0;  ///< peers' fd blocks let go because the peer freed them
   std::size_t fd_exports = 0;  ///< fd blocks exported
   std::size_t fd_imports = 0;  ///< fd blocks of a peer mapped here
   std::size_t fd_hits = 0;     ///< copies that found their peer's fd block mapped

@@ -53,7 +53,13 @@
 /// before the frame was in the ring) and checks it names that allocation.
 /// The reader keeps the last 16 such descriptors in slots the writer
 /// assigns, so an allocation sent again goes as mark 3 and its slot, with
-/// nothing passed. A full socket holds the writer back (`sock_blocked_`,
+/// nothing passed. When this process frees such an allocation (the copy
+/// engine's `ipc_frees` moves), the writer names the slots whose
+/// allocation is gone in the ring's `released` bits at its next poll; the
+/// reader closes those descriptors, has its copy engine let the mappings
+/// go (`ipc_release`, once no copy uses them) and clears the bits, and no
+/// descriptor goes into a slot before its bit is clear. So a peer never
+/// keeps memory this side freed. A full socket holds the writer back (`sock_blocked_`,
 /// tried again after 100 us) and nothing else. The reader checks the
 /// descriptor against the header and the peer, and has its copy engine
 /// copy the bytes straight out of the peer's allocation into their place
@@ -363,9 +369,17 @@ class connection final : public proto::engine {
   /// The slot whose descriptor the peer holds for allocation `m` (true), or
   /// the one to pass it into (false: empty, or least recently used).
   bool fd_slot_for(const copy_engine::ipc_memory& m, std::uint32_t& slot) const noexcept;
+  /// This process freed an allocation (the copy engine's `ipc_frees`
+  /// moved): the slots of the peer's whose allocation is gone are named in
+  /// the ring's `released` bits, and emptied here.
+  void note_frees() noexcept;
+  /// The peer freed the allocations of the slots in `mask`: their
+  /// descriptors and mappings go, and the bits are cleared.
+  void take_releases(std::uint32_t mask) noexcept;
   void close_fd_slots() noexcept {
     for (fd_slot_in& e : fd_in_)
       if (e.fd >= 0) ::close(std::exchange(e.fd, -1));
+    fds_in_ = 0;
   }
   /// The CUDA IPC frame `f` may go once the work queued on its GPU before
   /// it (the legacy default stream, and its operation's `after` stream) is
@@ -545,6 +559,9 @@ class connection final : public proto::engine {
   std::byte ipc_kind_out_{1};    // and its kind (the header's mark)
   fd_slot_out fd_out_[fd_slots]{};  // the descriptors the peer holds
   fd_slot_in fd_in_[fd_slots]{};    // the descriptors the peer passed, kept
+  std::uint32_t fds_out_ = 0;       // fd_out_ slots in use
+  std::uint32_t fds_in_ = 0;        // fd_in_ slots holding a descriptor
+  std::uint64_t frees_seen_ = 0;    // the copy engine's ipc_frees() when last looked at
   std::uint64_t fd_clock_ = 0;
   gpu_node fence_done_{};
   const frame* fence_for_ = nullptr;  // the frame whose fence runs

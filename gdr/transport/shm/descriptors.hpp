@@ -32,17 +32,51 @@ struct body {
 }  // namespace fd_msg
 
 inline bool connection::fd_slot_for(const copy_engine::ipc_memory& m, std::uint32_t& slot) const noexcept {
-  std::uint32_t pick = 0;
+  // Not a slot the peer has yet to let go (its allocation was freed).
+  const std::uint32_t pending = tx_.control().released.load(std::memory_order_acquire);
+  std::uint32_t pick = fd_slots;
   for (std::uint32_t i = 0; i < fd_slots; ++i) {
     const fd_slot_out& e = fd_out_[i];
     if (e.used != 0 && e.base == m.base && e.id == m.buffer_id) {
       slot = i;
       return true;
     }
-    if (e.used < fd_out_[pick].used) pick = i;  // an empty one (0) first, else the least recently used
+    if ((pending & (1u << i)) != 0) continue;
+    if (pick == fd_slots || e.used < fd_out_[pick].used) pick = i;  // an empty one (0) first, else the least recently used
   }
-  slot = pick;
+  slot = pick;  // fd_slots: every slot waits for the peer (export_ipc tries again soon)
   return false;
+}
+
+inline void connection::note_frees() noexcept {
+  frees_seen_ = ce_->ipc_frees();
+  std::uint32_t mask = 0;
+  for (std::uint32_t i = 0; i < fd_slots; ++i) {
+    fd_slot_out& e = fd_out_[i];
+    if (e.used == 0 || ce_->ipc_alive(e.base, e.id)) continue;
+    e = {};
+    --fds_out_;
+    mask |= 1u << i;
+    ++stats_.fds_released;
+  }
+  if (mask == 0) return;
+  tx_.control().released.fetch_or(mask, std::memory_order_release);
+  if (take_waiter(tx_.control().reader_waiting)) ring_peer();
+}
+
+inline void connection::take_releases(std::uint32_t mask) noexcept {
+  for (std::uint32_t i = 0; i < fd_slots; ++i) {
+    if ((mask & (1u << i)) == 0) continue;
+    fd_slot_in& e = fd_in_[i];
+    if (e.fd < 0) continue;
+    if (ce_ != nullptr) ce_->ipc_release(parts_.peer_pid, e.base, e.id);
+    ::close(e.fd);
+    e = {};
+    --fds_in_;
+    ++stats_.fds_let_go;
+  }
+  rx_.control().released.fetch_and(~mask, std::memory_order_acq_rel);
+  if (take_waiter(rx_.control().writer_waiting)) ring_peer();  // a writer waiting for a slot
 }
 
 inline bool connection::pass_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept {
@@ -93,6 +127,7 @@ inline int connection::take_fd(const copy_engine::ipc_memory& m, std::uint32_t s
   // Kept in its slot (the one there before is no longer the writer's).
   fd_slot_in& e = fd_in_[slot];
   if (e.fd >= 0) ::close(e.fd);
+  else ++fds_in_;
   e = {m.base, m.buffer_id, fd};
   ++stats_.fds_taken;
   return fd;

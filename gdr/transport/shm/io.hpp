@@ -177,8 +177,14 @@ inline bool connection::export_ipc(const frame& f) noexcept {
     // 16 this side passed.
     if (fd_slot_for(m, slot)) {
       ipc_kind_out_ = fd_held;
+    } else if (slot == fd_slots) {
+      // Every slot is one the peer has yet to let go: soon.
+      sock_blocked_ = true;
+      sock_retry_at_ = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+      return false;
     } else {
       if (!pass_fd(m, slot)) return false;
+      if (fd_out_[slot].used == 0) ++fds_out_;
       fd_out_[slot] = {m.base, m.buffer_id, 0};
     }
     fd_out_[slot].used = ++fd_clock_;
@@ -480,6 +486,9 @@ inline bool connection::unread_ends_with_close() const noexcept {
 
 inline poll_status connection::poll_ring() noexcept {
   if (!live_) return {};
+  // An allocation whose descriptor the peer holds was freed: the peer
+  // hears of it (only where this side passed any).
+  if (fds_out_ != 0 && ce_->ipc_frees() != frees_seen_) note_frees();
   bool corrupt = false;
   const bool rx_ready = reading() && (rx_.readable(corrupt) != 0 || corrupt);
   // A descriptor the full socket refused is tried again after a while,
@@ -489,11 +498,15 @@ inline poll_status connection::poll_ring() noexcept {
                          std::chrono::steady_clock::now() >= sock_retry_at_);
   const bool copies_ready =
       !sent_.empty() && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_;
-  if (rx_ready || tx_ready || copies_ready) {
+  const std::uint32_t released = fds_in_ != 0 ? rx_.control().released.load(std::memory_order_acquire) : 0;
+  if (rx_ready || tx_ready || copies_ready || released != 0) {
     {
       proto::event_scope ev(*this);
       if (copies_ready) settle_copied(true);
       if (rx_ready) pump();
+      // After the frames before the notice: the peer freed those
+      // allocations once the operations that named them were done.
+      if (released != 0) take_releases(released);
       if (tx_blocked_) write_some(true);
     }  // may have freed this
     return {.did_work = true};
@@ -511,7 +524,8 @@ inline poll_status connection::arm() noexcept {
   if (want_tx || want_copies) announce_wait(tx_.control().writer_waiting);
   bool corrupt = false;
   if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && tx_.room() != 0) ||
-      (want_copies && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_))
+      (want_copies && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_) ||
+      (fds_in_ != 0 && rx_.control().released.load(std::memory_order_acquire) != 0))
     return {.did_work = true};
   arm_bell();
   if (!bell_inflight_) return {.sleep_bound = std::chrono::milliseconds(1)};  // no SQE: look again soon

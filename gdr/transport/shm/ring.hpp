@@ -67,6 +67,10 @@ struct ring_control {
   alignas(64) std::atomic<std::uint32_t> reader_waiting;
   std::atomic<std::uint32_t> writer_waiting;
   std::atomic<std::uint64_t> copied;
+  /// Descriptor slots (bit per slot) whose allocation the writer freed: the
+  /// reader lets its descriptor and mapping go, then clears the bit; the
+  /// writer passes nothing into a slot whose bit is set.
+  std::atomic<std::uint32_t> released;
 };
 static_assert(sizeof(ring_control) <= control_bytes);
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std::uint32_t>::is_always_lock_free,

@@ -417,6 +417,59 @@ TEST_CASE("an allocation sent again passes its descriptor once: the receiver kee
   });
 }
 
+TEST_CASE("an allocation the owner frees is let go by the peer: its descriptor closed, its slot free again") {
+  IPC_REQUIRE_DEVICE();
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env&) -> gdr::task<> {
+    constexpr std::size_t each = 8192;
+    staged::dev_mem in(each);
+    auto exchange = [&](staged::dev_mem& src, std::uint32_t seed) -> gdr::task<bool> {
+      src.fill(pattern(each, seed));
+      auto [s, r] = co_await gdr::when_all(report_of(a.send(src.view(), tag{3})), report_of(b.recv(in.view(), tag{3})));
+      co_return !s.error && !r.error && in.read() == pattern(each, seed);
+    };
+    const std::size_t fds0 = open_fds();
+    {
+      // Sent (its descriptor is in the peer's slot), then freed.
+      staged::dev_mem x(each, 0, staged::dev_alloc::shareable);
+      CHECK(co_await exchange(x, 1));
+      CHECK(co_await exchange(x, 2));
+      CHECK(a.stats().fds_passed == 1);
+      CHECK(b.stats().fds_taken == 1);
+      CHECK(open_fds() == fds0 + 2);  // the owner's descriptor and the peer's
+    }
+    // The peer hears of it at this side's next poll, closes its descriptor
+    // and clears the slot's bit.
+    CHECK(co_await conformance::eventually(a.get_scheduler(), [&] { return b.stats().fds_let_go == 1; }));
+    CHECK(a.stats().fds_released == 1);
+    CHECK(open_fds() == fds0);
+    // An allocation never sent is nobody's business but this side's.
+    { staged::dev_mem unsent(each, 0, staged::dev_alloc::shareable); }
+    co_await gdr::sleep_for(5ms);
+    CHECK(a.stats().fds_released == 1);
+    // A new allocation (maybe at the same address) passes its own descriptor.
+    staged::dev_mem y(each, 0, staged::dev_alloc::shareable);
+    CHECK(co_await exchange(y, 3));
+    CHECK(a.stats().fds_passed == 2);
+    CHECK(b.stats().fds_taken == 2);
+    // Sixteen sent, then all freed: every slot comes free, and the next
+    // sixteen pass into them.
+    for (int round = 0; round < 2; ++round) {
+      std::vector<std::unique_ptr<staged::dev_mem>> many;
+      for (std::uint32_t i = 0; i < 16; ++i) {
+        many.push_back(std::make_unique<staged::dev_mem>(each, 0, staged::dev_alloc::shareable));
+        CHECK(co_await exchange(*many.back(), 10 + i));
+      }
+      many.clear();
+      const std::uint64_t want = 1 + 16 * static_cast<std::uint64_t>(round + 1);
+      CHECK(co_await conformance::eventually(a.get_scheduler(), [&] { return b.stats().fds_let_go == want; }));
+    }
+    CHECK(a.stats().fds_released == 33);
+    CHECK(b.stats().fds_taken == 2 + 32);
+    CHECK(co_await exchange(y, 4));  // y's slot was kept through it all (or passed again)
+    co_await a.close();
+  });
+}
+
 TEST_CASE("a Device receive stopped while its CUDA IPC copy runs is released only once the copy is done") {
   IPC_REQUIRE_DEVICE();
   IPC_REQUIRE_KNOBS("holding a copy");
@@ -903,15 +956,19 @@ TEST_CASE("an allocation freed and made again at the same address between two se
 #if GDR_HAS_CUDA
     (void)env;
     if (gdr::cuda::event_poller* ev = gdr::cuda::event_poller::of(ep.get_scheduler())) {
-      MESSAGE("imports " << ev->ipc().stats().imports << ", stale hits replaced " << ev->ipc().stats().stale);
+      MESSAGE("imports " << ev->ipc().stats().imports << ", stale hits replaced " << ev->ipc().stats().stale
+                         << ", let go as the peer freed them " << ev->ipc().stats().released);
       if (same != 0) CHECK(ev->ipc().stats().stale + ev->ipc().stats().imports >= 3);
     }
 #else
-    // Every allocation was mapped afresh: an address seen again with
-    // another id replaced the old mapping.
+    // Every allocation was mapped afresh. Each mapping ended: replaced by
+    // the next allocation at its address (stale), or let go when the peer
+    // said it freed the allocation; none is kept.
     if (how == staged::dev_alloc::shareable) {
       CHECK(env.ce.fd_imports == 3);
-      CHECK(env.ce.fd_stale == static_cast<std::size_t>(same));
+      CHECK(env.ce.fd_stale <= static_cast<std::size_t>(same));
+      CHECK(co_await conformance::eventually(ep.get_scheduler(),
+                                             [&] { return env.ce.ipc_releases + env.ce.fd_stale == 3; }));
     }
 #endif
     co_await ep.close();
