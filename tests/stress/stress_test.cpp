@@ -121,6 +121,16 @@ TEST_CASE("seeds the long runs found hold over CUDA IPC: a closing side's unsent
   run_seeds({transport_kind::shm_ipc}, {761032});
 }
 
+TEST_CASE("seeds the long runs found hold over shared memory: a frame the peer read before it ended arrived") {
+  // 781939: a receive's rtr waited in the writer's list behind a message
+  // the peer was to copy from this side's memory (frames complete in
+  // order). The peer read the rtr and sent the data, then closed and
+  // ended; its end released the list with peer_closed, so the receive
+  // failed and the message its sender saw succeed was lost. A frame that
+  // is no copy itself and that the peer's reader has passed now completes.
+  run_seeds({transport_kind::shm_ipc}, {781939});
+}
+
 TEST_CASE("seeds the long runs found hold over TCP: nothing follows a close frame") {
   // A put or get moved as segments posted its next request after the close
   // frame had been posted; the peer, its reader paused for an rx bounce

@@ -244,8 +244,28 @@ inline void connection::drop_unsent() noexcept {
 }
 
 inline void connection::release_sent() noexcept {
-  while (frame* f = sent_.pop_front()) drop(*f);
-  if (!dropped_.empty()) kick();
+  // A frame that is no copy itself waits in sent_ only to complete in
+  // order, behind one the peer had to copy. If the peer read it (the
+  // reader's released position is past it), it arrived: an rtr the peer
+  // answered must not fail its receive. sent_ holds every frame written
+  // since its first, so the last ends where the writer is, less what it
+  // has written of the frame it is writing now.
+  // (A released ring, none.)
+  const bool mapped = tx_.capacity() != 0;
+  std::uint64_t at = tx_.position() - (txq_.head != nullptr ? txq_.head->written : 0);
+  for (const frame* f = sent_.head; f != nullptr; f = f->next) at -= ring_bytes(*f);
+  const std::uint64_t read_to = mapped ? tx_.control().tail.load(std::memory_order_seq_cst) : at;
+  while (frame* f = sent_.pop_front()) {
+    at += ring_bytes(*f);
+    const bool copy = single_copy_out(*f) || ipc_out(*f);
+    if (mapped && !copy && static_cast<std::int64_t>(read_to - at) >= 0) {
+      f->where = in_done;
+      done_.push_back(f);
+    } else {
+      drop(*f);
+    }
+  }
+  if (!dropped_.empty() || !done_.empty()) kick();
 }
 
 inline void connection::return_finished() noexcept {
