@@ -304,25 +304,16 @@ class ipc_share {
   /// Process `pid` ended: its entries are closed (those in use once their
   /// copies are done).
   void forget(int pid) noexcept {
-    for (auto it = open_.begin(); it != open_.end();) {
-      auto next = std::next(it);
-      if (std::get<0>(it->first) == pid) retire(it);
-      it = next;
-    }
+    retire_where([&](const key& k, const entry&) { return std::get<0>(k) == pid; });
   }
 
   /// Process `pid` freed its allocation at `base` with id `buffer_id`
   /// (it told this side): that entry is closed, once no copy uses it.
   /// Another allocation at that address (another id) stays.
   void release_freed(int pid, std::uint64_t base, std::uint64_t buffer_id) noexcept {
-    for (auto it = open_.begin(); it != open_.end();) {
-      auto next = std::next(it);
-      if (std::get<0>(it->first) == pid && std::get<2>(it->first) == base && it->second->buffer_id == buffer_id) {
-        ++stats_.released;
-        retire(it);
-      }
-      it = next;
-    }
+    stats_.released += retire_where([&](const key& k, const entry& e) {
+      return std::get<0>(k) == pid && std::get<2>(k) == base && e.buffer_id == buffer_id;
+    });
   }
 
   /// Entries open now, and their bytes.
@@ -383,6 +374,21 @@ class ipc_share {
       // Out of memory keeping it: it stays open (mapped) until exit.
       (void)e.release();
     }
+  }
+
+  /// Retires every entry `pred(key, entry)` picks; how many.
+  template <class Pred>
+  std::uint64_t retire_where(Pred pred) noexcept {
+    std::uint64_t n = 0;
+    for (auto it = open_.begin(); it != open_.end();) {
+      auto next = std::next(it);
+      if (pred(it->first, *it->second)) {
+        retire(it);
+        ++n;
+      }
+      it = next;
+    }
+    return n;
   }
 
   /// Room for an allocation of `bytes`: evicts the least recently used

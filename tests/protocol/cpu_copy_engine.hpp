@@ -206,14 +206,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
 
   void ipc_forget(int pid) noexcept override {
     ++ipc_forgets;
-    for (auto it = mapped_.begin(); it != mapped_.end();) {
-      if (it->first.first == pid) {
-        retired_.push_back(it->second);
-        it = mapped_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    for (auto it = mapped_.begin(); it != mapped_.end();) it = it->first.first == pid ? retire(it) : std::next(it);
     if (in_flight_ == 0) unmap_retired();
   }
 
@@ -229,8 +222,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
     auto it = mapped_.find({pid, base});
     if (it == mapped_.end() || it->second.id != buffer_id) return;
     ++ipc_releases;
-    retired_.push_back(it->second);
-    mapped_.erase(it);
+    retire(it);
     if (in_flight_ == 0) unmap_retired();
   }
 
@@ -332,8 +324,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
         return {it->second.p, 0};
       }
       ++fd_stale;
-      retired_.push_back(it->second);
-      mapped_.erase(it);
+      retire(it);
     }
     void* p = ::mmap(nullptr, src.size, PROT_READ | PROT_WRITE, MAP_SHARED, src.fd, 0);
     if (p == MAP_FAILED) return {nullptr, errno};
@@ -345,6 +336,13 @@ class cpu_copy_engine final : public gdr::copy_engine {
     }
     ++fd_imports;
     return {static_cast<std::byte*>(p), 0};
+  }
+  /// Takes a mapping out of `mapped_`: unmapped once no copy runs
+  /// (`unmap_retired`). The entry after it.
+  std::map<std::pair<int, std::uint64_t>, mapping>::iterator retire(
+      std::map<std::pair<int, std::uint64_t>, mapping>::iterator it) noexcept {
+    retired_.push_back(it->second);
+    return mapped_.erase(it);
   }
   void unmap_retired() noexcept {
     for (mapping& m : retired_) ::munmap(m.p, m.size);
