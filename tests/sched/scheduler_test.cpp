@@ -105,7 +105,9 @@ TEST_CASE("the mode can change between runs") {
   gdr::sync_wait(s, sleep(1ms));
   CHECK(s.stats().sleeps == 0);
   s.set_mode(gdr::run_mode::sleep);
-  gdr::sync_wait(s, sleep(1ms));
+  // Long enough that the loop reaches its wait before the timer fires (a
+  // 1 ms timer fired first once under ASan on a loaded machine: no sleep).
+  gdr::sync_wait(s, sleep(20ms));
   CHECK(s.stats().sleeps >= 1);
 }
 
