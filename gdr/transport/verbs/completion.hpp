@@ -42,6 +42,7 @@
 #include <infiniband/verbs.h>
 #include <liburing.h>
 #include <poll.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cassert>
@@ -392,13 +393,23 @@ class cq_poller final : public poller {
     if (self->retiring_) self->maybe_free();
   }
 
+  static std::chrono::nanoseconds coarse_now() noexcept {
+    timespec ts{};
+    ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+  }
+
   void poll_async(bool busy_mode) noexcept {
     // A busy loop turns over every microsecond or so: look at the clock
     // only every so many turns. A sleeping loop wakes at least every
-    // async_interval, and looks every time.
+    // async_interval, and looks every time. The coarse clock (the
+    // kernel's last tick, read without a system call): a 100 ms interval
+    // needs no more, and the precise clock is a system call where the
+    // clock source has no vDSO (emulators), which a busy loop would pay
+    // in the middle of a message's path.
     if (busy_mode && ++async_turns_ < async_stride) return;
     async_turns_ = 0;
-    auto now = std::chrono::steady_clock::now();
+    const std::chrono::nanoseconds now = coarse_now();
     if (now - last_async_ < async_interval) return;
     last_async_ = now;
     for (std::size_t i = 0; i < devices_.size(); ++i) {
@@ -465,7 +476,7 @@ class cq_poller final : public poller {
   bool retire_posted_ = false;
   retire_work retire_node_{};
   std::chrono::steady_clock::time_point last_work_{};
-  std::chrono::steady_clock::time_point last_async_{};
+  std::chrono::nanoseconds last_async_{};
   static constexpr unsigned async_stride = 64;
   unsigned async_turns_ = 0;
   cq_poller_stats stats_{};
