@@ -211,7 +211,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   /// wait unread on the far side.
   void hold_reading(bool on) noexcept {
     held_ = on;
-    if (!on && !failed() && backlog_head_ != backlog_tail_) kick();
+    if (!on && !failed() && backlog_n_ != 0) kick();
   }
   /// The device's GPUDirect flush queue pair, if it has one.
   ibv_qp* flush_qp() const noexcept { return dq_ != nullptr && dq_->flush ? dq_->flush->qp : nullptr; }
@@ -530,6 +530,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     gate_.drop_waiting();
     if (cm_watch_in_flight_) sched().cancel(&cm_watch_);
     backlog_head_ = backlog_tail_;  // nothing more is parsed
+    backlog_n_ = 0;
     cont_ = {};
     release_unsignaled();
     kick();
@@ -730,8 +731,13 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   // receive side
   std::unique_ptr<rx_item[]> backlog_;
+  // A ring of rx_n_: indexes of the oldest and the next free item, and how
+  // many are kept (wrapped by comparison: a division per message is not
+  // free, and counters taken modulo a size that is not a power of two
+  // would collide when they wrap).
   std::uint32_t backlog_head_ = 0;
   std::uint32_t backlog_tail_ = 0;
+  std::uint32_t backlog_n_ = 0;
   sends_placement cont_{};  // a payload arriving in SENDs, buffer by buffer
   std::vector<grant> grants_;
   std::vector<remote_dst> remotes_;

@@ -116,7 +116,7 @@ inline void connection::cm_events() noexcept {
           // completion queue: take it first.
           poller_->drain();
           if (!failed() && !shut_) {
-            if ((paused_ || held_) && backlog_head_ != backlog_tail_) {
+            if ((paused_ || held_) && backlog_n_ != 0) {
               peer_gone_ = true;  // after the kept frames (parse)
             } else {
               on_link_failed(errc::connection_lost);
@@ -175,7 +175,7 @@ inline void connection::on_kick(remote_work* w) noexcept {
   if (c->gate_.current() == nic_gate::state::flush_ready) c->post_flush();
   // Paused by the engine, or by a gate that opened without a completion
   // (a stopped placement): go on with the frames behind.
-  if (!c->failed() && (c->paused_ || c->backlog_head_ != c->backlog_tail_)) {
+  if (!c->failed() && (c->paused_ || c->backlog_n_ != 0)) {
     c->paused_ = false;
     c->parse();
     c->pump_tx();

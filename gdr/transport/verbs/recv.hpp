@@ -107,21 +107,24 @@ inline void connection::orphan_receives() noexcept {
 
 inline void connection::push_backlog(rx_item it) noexcept {
   // At most rx_n_ buffers are consumed and not yet reposted.
-  backlog_[backlog_tail_ % rx_n_] = it;
-  ++backlog_tail_;
+  assert(backlog_n_ < rx_n_);
+  backlog_[backlog_tail_] = it;
+  if (++backlog_tail_ == rx_n_) backlog_tail_ = 0;
+  ++backlog_n_;
 }
 
 /// Hands the consumed buffers to the engine, in order, until it pauses.
 inline void connection::parse() noexcept {
-  while (!paused_ && !held_ && gate_.is_open() && !failed() && !shut_ && backlog_head_ != backlog_tail_) {
-    const rx_item& it = backlog_[backlog_head_ % rx_n_];
+  while (!paused_ && !held_ && gate_.is_open() && !failed() && !shut_ && backlog_n_ != 0) {
+    const rx_item& it = backlog_[backlog_head_];
     bool done = it.is_imm ? rx_write_arrived(it) : rx_buffer(it);
     if (!done) return;
     std::uint32_t index = it.index;
-    ++backlog_head_;
+    if (++backlog_head_ == rx_n_) backlog_head_ = 0;
+    --backlog_n_;
     repost(index);
   }
-  if (peer_gone_ && !failed() && backlog_head_ == backlog_tail_) on_link_failed(errc::connection_lost);
+  if (peer_gone_ && !failed() && backlog_n_ == 0) on_link_failed(errc::connection_lost);
 }
 
 /// One SEND's bytes. False: paused or failed (the buffer stays).

@@ -490,7 +490,9 @@ inline bool connection::lane_post(lane_job& j) noexcept {
     if (lane_out_ == 0) poller_->note_busy(1);  // completions come microseconds apart: poll, do not sleep
     j.posted += n;
     j.out += n;
-    j.ends[(j.ends_head + j.ends_used) % j.ends.size()] = j.posted;
+    std::size_t at = j.ends_head + j.ends_used;  // the ring of ends: no division per operation
+    if (at >= j.ends.size()) at -= j.ends.size();
+    j.ends[at] = j.posted;
     ++j.ends_used;
     lane_out_ += static_cast<int>(n);
     stats_.direct_wrs += n;
@@ -515,7 +517,7 @@ inline void connection::lane_done(lane_job& j, const ibv_wc& wc) noexcept {
     // A signalled one: it and every piece of the job before it are done.
     assert(j.ends_used != 0);
     const std::size_t end = j.ends[j.ends_head];
-    j.ends_head = (j.ends_head + 1) % j.ends.size();
+    if (++j.ends_head == j.ends.size()) j.ends_head = 0;
     --j.ends_used;
     const std::size_t k = end - j.done;
     j.done = end;
