@@ -82,6 +82,9 @@
 // in the Soft-RoCE guest, side by side with perftest).
 #include <sys/wait.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -105,6 +108,19 @@
 namespace {
 
 using clk = std::chrono::steady_clock;
+
+// The latency samples' clock: the TSC where there is one, as perftest's
+// get_cycles(), converted by the run's own calibration against
+// steady_clock (start and end of the loop). steady_clock is a system call
+// where the clock source has no vDSO (the emulated guest: about 1 us),
+// which would sit inside every sample.
+std::uint64_t ticks() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  return __rdtsc();
+#else
+  return static_cast<std::uint64_t>(clk::now().time_since_epoch().count());
+#endif
+}
 using bytes = std::vector<std::byte>;
 using remote = gdr::remote_view<std::byte, gdr::Host>;
 
@@ -132,12 +148,6 @@ struct next_turn : gdr::remote_work {
   }
   void await_resume() const noexcept {}
 };
-
-// Waits until the last byte of `b` is `want` (written by the peer's put).
-gdr::task<> wait_last_byte(gdr::scheduler& s, const bytes& b, std::byte want) {
-  const volatile std::byte* last = b.data() + b.size() - 1;
-  while (*last != want) co_await next_turn(s);
-}
 
 // The ping-pong's mark of iteration i: never 0 (the memory's first value),
 // and different in consecutive iterations.
@@ -230,7 +240,13 @@ int main(int argc, char** argv) {
   pid_t child = ::fork();
   if (child < 0) return 1;
   bool server = child != 0;
-  gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
+  // The owner of memory that direct gets, atomics and bandwidth puts reach
+  // has nothing to do: its loop sleeps (as perftest's server of those
+  // tests waits on its socket). It polls only where it works: send/recv,
+  // put_lat (it watches its memory for the ping and puts back) and the
+  // checked mode (it serves every access).
+  const bool owner_idle = server && !checked && mode != "send_lat" && mode != "send_bw" && mode != "put_lat";
+  gdr::scheduler sched({.mode = owner_idle ? gdr::run_mode::sleep : gdr::run_mode::busy_poll});
   int rc = 0;
   try {
     gdr::sync_wait(sched, [&]() -> gdr::task<> {
@@ -282,41 +298,57 @@ int main(int argc, char** argv) {
         std::vector<double> samples;
         samples.reserve(static_cast<std::size_t>(iters));
         int warm = std::min(100, iters / 10);
+        enum class lat_mode { send, put, get, atomic };
+        const lat_mode lm = mode == "send_lat"  ? lat_mode::send
+                            : mode == "put_lat" ? lat_mode::put
+                            : mode == "get_lat" ? lat_mode::get
+                                                : lat_mode::atomic;
+        // put_lat: each side polls the last byte of its memory for the
+        // peer's put, as ib_write_lat does, turning the loop in between.
+        const volatile std::byte* last = target.data() + target.size() - 1;
         // get_lat, atomic_lat: the server only serves (until the client's done).
-        int rounds = server && (mode == "get_lat" || mode == "atomic_lat") ? 0 : warm + iters;
+        int rounds = server && (lm == lat_mode::get || lm == lat_mode::atomic) ? 0 : warm + iters;
+        // One-way latencies are a ping-pong's round trip / 2 (send, put);
+        // a get and an atomic are one round trip, as perftest reports them.
+        const double div = lm == lat_mode::send || lm == lat_mode::put ? 2 : 1;
+        std::vector<std::uint64_t> spans;  // ticks per sample
+        spans.reserve(static_cast<std::size_t>(iters));
+        const auto c0 = clk::now();
+        const std::uint64_t k0 = ticks();
         for (int i = 0; i < rounds; ++i) {
-          auto t0 = clk::now();
-          double div = 2;  // ping-pongs: one-way = round trip / 2
-          if (mode == "send_lat") {
-            auto send = [&] { return gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag); };
-            auto recv = [&] { return gd ? ep.recv(dv(target), data_tag) : ep.recv(v(target), data_tag); };
-            if (server) {
-              co_await recv();
-              co_await send();
-            } else {
-              co_await send();
-              co_await recv();
-            }
-          } else if (mode == "put_lat") {
-            buf.back() = mark(i);
-            if (server) {
-              co_await wait_last_byte(sched, target, mark(i));
-              co_await ep.put(v(buf), peer);
-            } else {
-              co_await gdr::when_all(
-                  [](gdr::verbs::endpoint& e, bytes& b, remote r) -> gdr::task<> { co_await e.put(v(b), r); }(
-                      ep, buf, peer),
-                  wait_last_byte(sched, target, mark(i)));
-            }
-          } else if (mode == "atomic_lat") {
-            div = 1;  // a round trip, as ib_atomic_lat reports it
-            (void)co_await ep.fetch_add(word, 1);
-          } else {
-            div = 1;  // a get is a round trip, as ib_read_lat reports it
-            co_await ep.get(v(buf), peer);
+          const std::uint64_t t0 = ticks();
+          switch (lm) {
+            case lat_mode::send:
+              if (server) {
+                co_await (gd ? ep.recv(dv(target), data_tag) : ep.recv(v(target), data_tag));
+                co_await (gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag));
+              } else {
+                co_await (gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag));
+                co_await (gd ? ep.recv(dv(target), data_tag) : ep.recv(v(target), data_tag));
+              }
+              break;
+            case lat_mode::put:
+              // As ib_write_lat's loop: the server waits, then puts; the
+              // client puts, then waits (its put's completion and the
+              // server's answer arrive together).
+              buf.back() = mark(i);
+              if (server) {
+                while (*last != mark(i)) co_await next_turn(sched);
+                co_await ep.put(v(buf), peer);
+              } else {
+                co_await ep.put(v(buf), peer);
+                while (*last != mark(i)) co_await next_turn(sched);
+              }
+              break;
+            case lat_mode::atomic: (void)co_await ep.fetch_add(word, 1); break;
+            case lat_mode::get: co_await ep.get(v(buf), peer); break;
           }
-          if (i >= warm) samples.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count() / div);
+          if (i >= warm) spans.push_back(ticks() - t0);
         }
+        const double us = std::chrono::duration<double, std::micro>(clk::now() - c0).count();
+        const std::uint64_t k = ticks() - k0;
+        const double us_per_tick = k != 0 ? us / static_cast<double>(k) : 0;
+        for (std::uint64_t t : spans) samples.push_back(static_cast<double>(t) * us_per_tick / div);
         if (!server) {
           stats s = summarize(samples);
           std::printf("%s %s size=%zu iters=%d typical_us=%.2f avg_us=%.2f\n", label, mode.c_str(), size, iters,
