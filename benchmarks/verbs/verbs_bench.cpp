@@ -293,6 +293,9 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; batch && i < static_cast<std::size_t>(window); ++i)
         blocks.push_back({i * size, ((i * 37) % static_cast<std::size_t>(window)) * size, size});
       std::byte flag{};  // ready / done
+      // A data message from `buf`, into `b` (GDR_BENCH_GPUDIRECT: as Device memory).
+      auto send_msg = [&] { return gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag); };
+      auto recv_msg = [&](bytes& b) { return gd ? ep.recv(dv(b), data_tag) : ep.recv(v(b), data_tag); };
 
       if (lat) {
         std::vector<double> samples;
@@ -320,11 +323,11 @@ int main(int argc, char** argv) {
           switch (lm) {
             case lat_mode::send:
               if (server) {
-                co_await (gd ? ep.recv(dv(target), data_tag) : ep.recv(v(target), data_tag));
-                co_await (gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag));
+                co_await recv_msg(target);
+                co_await send_msg();
               } else {
-                co_await (gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag));
-                co_await (gd ? ep.recv(dv(target), data_tag) : ep.recv(v(target), data_tag));
+                co_await send_msg();
+                co_await recv_msg(target);
               }
               break;
             case lat_mode::put:
@@ -357,11 +360,8 @@ int main(int argc, char** argv) {
       } else {
         std::vector<bytes> rbufs;
         if (mode == "send_bw" && server) rbufs.assign(static_cast<std::size_t>(recv_window), bytes(size));
-        auto send_op = [&](int) { return gd ? ep.send(dv(buf), data_tag) : ep.send(v(buf), data_tag); };
-        auto recv_op = [&](int w) {
-          bytes& b = rbufs[static_cast<std::size_t>(w)];
-          return gd ? ep.recv(dv(b), data_tag) : ep.recv(v(b), data_tag);
-        };
+        auto send_op = [&](int) { return send_msg(); };
+        auto recv_op = [&](int w) { return recv_msg(rbufs[static_cast<std::size_t>(w)]); };
         auto put_op = [&](int) { return ep.put(v(buf), peer); };
         auto get_op = [&](int) { return ep.get(v(buf), peer); };
         auto batch_op = [&](int) { return ep.put_batch(v(buf), peer, blocks); };

@@ -515,8 +515,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (gate_.current() == nic_gate::state::flush_ready) dq_->flush->cancel(flush_waiter_);
     gate_.drop_waiting();
     if (cm_watch_in_flight_) sched().cancel(&cm_watch_);
-    backlog_head_ = backlog_tail_;  // nothing more is parsed
-    backlog_n_ = 0;
+    backlog_n_ = 0;  // nothing more is parsed
     cont_ = {};
     release_unsignaled();
     kick();
@@ -717,12 +716,11 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   // receive side
   std::unique_ptr<rx_item[]> backlog_;
-  // A ring of rx_n_: indexes of the oldest and the next free item, and how
-  // many are kept (wrapped by comparison: a division per message is not
-  // free, and counters taken modulo a size that is not a power of two
-  // would collide when they wrap).
+  // A ring of rx_n_: the oldest item's index and how many are kept
+  // (wrapped by comparison: a division per message is not free, and
+  // counters taken modulo a size that is not a power of two would collide
+  // when they wrap).
   std::uint32_t backlog_head_ = 0;
-  std::uint32_t backlog_tail_ = 0;
   std::uint32_t backlog_n_ = 0;
   sends_placement cont_{};  // a payload arriving in SENDs, buffer by buffer
   std::vector<grant> grants_;

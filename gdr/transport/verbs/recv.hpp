@@ -108,8 +108,9 @@ inline void connection::orphan_receives() noexcept {
 inline void connection::push_backlog(rx_item it) noexcept {
   // At most rx_n_ buffers are consumed and not yet reposted.
   assert(backlog_n_ < rx_n_);
-  backlog_[backlog_tail_] = it;
-  if (++backlog_tail_ == rx_n_) backlog_tail_ = 0;
+  std::uint32_t at = backlog_head_ + backlog_n_;
+  if (at >= rx_n_) at -= rx_n_;
+  backlog_[at] = it;
   ++backlog_n_;
 }
 
