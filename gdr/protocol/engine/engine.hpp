@@ -213,7 +213,8 @@ class engine {
   /// domain its peer exposes memory in (a put or get whose view carries a
   /// key of it goes to link_direct).
   void set_direct_domain(std::uint32_t domain) noexcept { direct_domain_ = domain; }
-  void enable_send_now() noexcept { send_now_ = true; }  ///< set once, by a transport with link_send_now
+  /// Set once by a transport that implements `link_send_now`.
+  void enable_send_now() noexcept { send_now_ = true; }
   /// Direct operation `o` is over: its bytes moved (`ec` empty) or not.
   void on_direct_done(op& o, std::error_code ec) noexcept;
 
@@ -245,7 +246,9 @@ class engine {
     std::size_t want = 0;
     bool counted = false;  // op_payload: one segment of several
   };
-  struct resume_node : remote_work { engine* self = nullptr; };
+  struct resume_node : remote_work {
+    engine* self = nullptr;
+  };
 
   bool deletable() const noexcept {
     return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && outbox_head_ == nullptr &&
@@ -308,8 +311,9 @@ class engine {
   /// A send, put or get.
   bool begin_out(op& o) noexcept;
 
-  /// Puts `o`'s first frame on the wire (the peer's hello is known). True: pending;
-  /// false: over, failed (`o.ec_`) or sent at once (`link_send_now`, `ec_` clear).
+  /// Puts `o`'s first frame on the wire (the peer's hello is known). True:
+  /// pending; false: over, failed (`o.ec_`) or sent at once (the eager
+  /// fast path, `link_send_now`; `ec_` clear).
   bool launch(op& o) noexcept;
 
   bool begin_close(op& o) noexcept;
@@ -606,14 +610,18 @@ class engine {
   /// An answer to one request of a segmented put or get.
   rx_plan segment_answer(op& o, const header& h) noexcept;
 
-  struct drop_range { std::uint64_t lo, hi, left; };
+  struct drop_range {
+    std::uint64_t lo, hi, left;
+  };
   void remember_range(std::uint64_t lo, std::uint64_t hi, std::uint64_t left) noexcept;
   bool forget_in_range(std::uint64_t id) noexcept;
   bool is_dropped(std::uint64_t token) const noexcept {
     return std::find(dropped_tokens_.begin(), dropped_tokens_.end(), token) != dropped_tokens_.end();
   }
 
-  // ---------------------------------------------------------------- early credits (engine/two_sided.hpp)
+  // ---------------------------------------------------------------- early credits
+  //
+  // Early credits: see the file comment of engine/two_sided.hpp.
 
   /// This side has taken one early message of `bytes` (eager) or an
   /// announcement (0): the peer may send it again.
