@@ -90,7 +90,9 @@
 /// `scheduler_options::teardown_timeout`. So a program may simply end:
 /// endpoints dropped without `close()` abort their connections, and in the
 /// scheduler's destructor the kernel returns the connections' buffers and
-/// they free themselves (sockets and memory).
+/// they free themselves (sockets and memory). A dropped endpoint counts as
+/// in flight until it has freed itself, also where what it waits for comes
+/// through a poller (an RDMA device's flushed requests, a copy).
 /// What is still in flight after the bound (an operation nothing will
 /// complete: a coroutine suspended on a pipe nobody writes, an endpoint still
 /// alive) is reported in one line on stderr and abandoned: its coroutine never
@@ -250,7 +252,8 @@ class scheduler {
     return io_uring_get_sqe(&ring_);
   }
 
-  /// Counts one more operation whose final CQE is outstanding.
+  /// Counts one more operation whose final CQE is outstanding (or other
+  /// work the loop must finish before it is quiescent: see `note_done`).
   void note_submitted() noexcept { ++inflight_; }
   /// For operations completed by a poller instead of a CQE: counts one
   /// counted by `note_submitted` as done.

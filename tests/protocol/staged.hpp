@@ -55,6 +55,7 @@ struct env {
   void hold() noexcept {}
   void release() noexcept {}
   void fail_copy(int) noexcept {}
+  std::size_t in_flight() const noexcept { return 0; }
 };
 
 class dev_mem {
@@ -121,6 +122,7 @@ struct env {
   void hold() noexcept { ce.hold(); }
   void release() noexcept { ce.release(); }
   void fail_copy(int n) noexcept { ce.fail_copy(n); }
+  std::size_t in_flight() const noexcept { return ce.in_flight(); }
 };
 
 class dev_mem {

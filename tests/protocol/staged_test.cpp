@@ -551,6 +551,42 @@ TEST_CASE_TEMPLATE("a close right after a staged send waits for its copy, and th
   });
 }
 
+// A dropped endpoint frees itself once its transport and its copies are
+// quiet, and what it waits for may come through a poller (a copy here; on
+// verbs, a device's flushed requests), which the scheduler did not count:
+// drain() returned with the endpoint alive and its copy queued. Found by
+// the verbs stress test (a SEND flushed back only after drain returned:
+// two engines leaked).
+TEST_CASE_TEMPLATE("an endpoint dropped while its copy is pending is freed before drain() returns", T,
+                   CONFORMANCE_TRANSPORTS) {
+  STAGED_REQUIRE_DEVICE();
+  STAGED_REQUIRE_KNOBS();
+  if (conformance::skipped<T>()) return;
+  for (gdr::run_mode m : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+    CAPTURE(static_cast<int>(m));
+    conformance::watchdog dog(30);
+    gdr::scheduler sched({.mode = m});
+    staged::env env(sched);
+    staged::dev_mem s(3000);
+    op_report sr;
+    gdr::task_scope scope;
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto p = co_await T::pair(sched, gdr::default_registry(), small(), small());
+      env.hold();  // the send's copy out waits
+      scope.spawn(store_report(p.first.send(s.view()), sr));
+      co_await gdr::sleep_for(2ms);
+      p.first = {};  // dropped with its copy out (the send ends when the copy is back)
+      p.second = {};
+    }());
+    CHECK(env.in_flight() == 1);
+    env.release();
+    sched.drain();  // runs until the dropped endpoint has its copy back and is gone
+    CHECK(env.in_flight() == 0);
+    gdr::sync_wait(sched, [&]() -> gdr::task<> { co_await scope.join(); }());
+    CHECK(sr.error);
+  }
+}
+
 // Engine defect (zero-length staged requests): a put of zero bytes to
 // Device memory that had to wait for a tx bounce slot was never sent once
 // one came free (pump had no segment to hand it): it hung.

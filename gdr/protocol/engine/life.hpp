@@ -47,6 +47,7 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
 }
 
 inline engine::~engine() {
+  if (abandoned_) sched_->note_done();
   while (early_msg* m = early_.pop_front()) delete m;
   while (reply_slot* s = slots_made_) {
     slots_made_ = s->next_made;
@@ -114,6 +115,11 @@ inline std::string engine::describe() const {
 
 inline void engine::abandon() noexcept {
   abandoned_ = true;
+  // Until it frees itself it counts as in flight, so drain() and the
+  // scheduler's teardown wait for it: what its transport still waits for
+  // (a NIC's flushed requests, a copy) completes through pollers, which
+  // the scheduler does not count. ~engine gives it back.
+  sched_->note_submitted();
   event_scope ev(*this);  // its end frees this once the transport is quiet
   if (!error_) fail(errc::closed);
   abort_link();  // an orderly end still under way
