@@ -171,12 +171,14 @@
 /// event (an operation starting from its `await_suspend`) the hooks are
 /// called at once; so are they from the coroutines the outermost event's
 /// `leave()` resumes, after what the event queued (the transport walks
-/// nothing then). Debug builds assert it. Which list an operation is on
-/// is recorded in the operation (`op::list_`), never inferred from its
-/// stage; taking a node off a list it is not on is an assertion. An
-/// operation's stage changes only through `op::to`, and `op::may_move` is
-/// the one table of the moves each kind may make (debug builds assert
-/// every move against it).
+/// nothing then). There, a transport may take an eager frame whole at once
+/// (`link_send_now`, the fast path): the send is then done before it
+/// would suspend, and never queued. Debug builds assert the rule. Which
+/// list an operation is on is recorded in the operation (`op::list_`),
+/// never inferred from its stage; taking a node off a list it is not on is
+/// an assertion. An operation's stage changes only through `op::to`, and
+/// `op::may_move` is the one table of the moves each kind may make (debug
+/// builds assert every move against it).
 #pragma once
 
 #include <gdr/protocol/engine/engine.hpp>

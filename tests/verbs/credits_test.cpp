@@ -166,3 +166,66 @@ TEST_CASE("staged Device to host traffic of many times 63 chunks keeps flowing: 
       },
       o, o);
 }
+
+// The eager fast path (link_send_now): a small send started while nothing of
+// this side waits to go is posted at once and done without suspending. The
+// burst below starts 64 sends back to back, each in a coroutine of its own,
+// before the loop turns once: the first few take the fast path, until the
+// peer's receive buffers (rx_depth 8, one kept for a credit-only message)
+// are all spoken for; every later one must queue behind the first that
+// could not go, never pass it (it would, if the fast path looked only at
+// the credit, which comes back while the queue still holds frames). The
+// receiver takes them in order and checks each one's bytes.
+TEST_CASE("small sends take the fast path while nothing waits, and queue in order behind one that could not go") {
+  REQUIRE_VERBS();
+  gdr::verbs::endpoint_options o;
+  o.rx_depth = 8;
+  with_pair(
+      [](auto& a, auto& b) -> gdr::task<> {
+        std::vector<std::byte> one = pattern(8, 1), got1(8);
+        // First the handshake: a send before the peer's hello waits for it.
+        co_await gdr::when_all(report_of(a.send(chost(one), gdr::tag{3})), report_of(b.recv(host(got1), gdr::tag{3})));
+        const auto fast0 = a.stats().fast_sends;
+        std::size_t n1 = co_await a.send(chost(one), gdr::tag{3});
+        CHECK(n1 == 8);
+        CHECK(a.stats().fast_sends == fast0 + 1);
+        co_await b.recv(host(got1), gdr::tag{3});
+        CHECK(got1 == one);
+
+        constexpr int burst = 64;
+        std::vector<std::vector<std::byte>> out(burst), in(burst, std::vector<std::byte>(40));
+        for (int i = 0; i < burst; ++i) out[i] = pattern(40, 100 + static_cast<std::uint32_t>(i));
+        const auto fast1 = a.stats().fast_sends;
+        std::vector<gdr::task<gdr::op_report>> sends;
+        for (int i = 0; i < burst; ++i) sends.push_back(report_of(a.send(chost(out[i]), gdr::tag{4})));
+        auto receiver = [](auto& ep, std::vector<std::vector<std::byte>>& dst) -> gdr::task<int> {
+          int ok = 0;
+          for (std::vector<std::byte>& d : dst) {
+            gdr::op_report r = co_await ep.recv(verbs_test::host(d), gdr::tag{4}).report();
+            ok += r.error ? 0 : 1;
+          }
+          co_return ok;
+        };
+        auto [reports, received] = co_await gdr::when_all(gdr::when_all(std::move(sends)), receiver(b, in));
+        int sent = 0;
+        for (auto& r : reports) sent += r.error ? 0 : 1;
+        CHECK(sent == burst);
+        CHECK(received == burst);
+        for (int i = 0; i < burst; ++i) {
+          CAPTURE(i);
+          CHECK(in[i] == out[i]);  // in order: message i in receive i
+        }
+        const auto fast = a.stats().fast_sends - fast1;
+        MESSAGE(fast << " of " << burst << " sends took the fast path, " << a.stats().credit_stalls
+                     << " credit stalls");
+        CHECK(fast >= 1);
+        CHECK(fast < static_cast<decltype(fast)>(burst));  // the credit ran out: the rest queued
+        // Fast or queued, a send reports the same path and size.
+        CHECK(reports.front().path == reports.back().path);
+        CHECK(reports.front().path != gdr::transfer_path::none);
+        CHECK(reports.front().bytes == 40);
+        CHECK(reports.back().bytes == 40);
+        co_await a.close();
+      },
+      o, o);
+}

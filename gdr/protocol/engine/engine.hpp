@@ -165,6 +165,11 @@ class engine {
     (void)p, (void)n, (void)why;
     return {};
   }
+  /// The eager fast path (`enable_send_now`; called only when link calls
+  /// are allowed): posts eager frame `f` whole at once, its bytes copied or
+  /// inline, with nothing queued before it (true: the send is done). False:
+  /// nothing changed; it goes by `link_post`.
+  virtual bool link_send_now(frame& f) noexcept { return (void)f, false; }
   /// Direct one-sided operations (see engine/direct.hpp): post put, get or
   /// atomic `o` with the NIC (the transport owns it until on_direct_done,
   /// which comes exactly once, from an event of its own), and take back one
@@ -208,6 +213,8 @@ class engine {
   /// domain its peer exposes memory in (a put or get whose view carries a
   /// key of it goes to link_direct).
   void set_direct_domain(std::uint32_t domain) noexcept { direct_domain_ = domain; }
+  /// Set once by a transport that implements `link_send_now`.
+  void enable_send_now() noexcept { send_now_ = true; }
   /// Direct operation `o` is over: its bytes moved (`ec` empty) or not.
   void on_direct_done(op& o, std::error_code ec) noexcept;
 
@@ -305,7 +312,8 @@ class engine {
   bool begin_out(op& o) noexcept;
 
   /// Puts `o`'s first frame on the wire (the peer's hello is known). True:
-  /// pending.
+  /// pending; false: over, failed (`o.ec_`) or sent at once (the eager
+  /// fast path, `link_send_now`; `ec_` clear).
   bool launch(op& o) noexcept;
 
   bool begin_close(op& o) noexcept;
@@ -777,6 +785,7 @@ class engine {
   std::vector<op*> credit_pumps_;  // staged puts and gets whose next segment waits for one
   // ---- direct one-sided operations ----
   std::uint32_t direct_domain_ = 0;  // the peer's NIC domain (0: none)
+  bool send_now_ = false;            // the transport has link_send_now (enable_send_now)
   op_list direct_{};                 // with the transport, or about to be (direct_due_)
   std::vector<op*> direct_due_;      // handed to link_direct at the end of the event
   // ---- the transport calls an event queued (drain) ----

@@ -103,6 +103,15 @@ inline bool engine::launch(op& o) noexcept {
         h.tag = o.tag_;
         f.payload = o.data_;
         mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0);  // GPUDirect: only an empty one
+        // The fast path (UCX's eager short): outside any event, nothing in
+        // the outbox and no close under way, the transport may post it
+        // whole at once and copy it; then the send is done here (begin
+        // reports it: it never suspends, no frame stays with the link).
+        if (send_now_ && link_calls_now() && outbox_head_ == nullptr && !closing_ && link_send_now(f)) {
+          o.bytes_ = o.size_;
+          o.path_ = link_tx_path();
+          return false;  // ec_ clear: done
+        }
         o.to(op::stage::queued);
       } else {
         o.proto_ = wire_protocol::rendezvous;

@@ -380,6 +380,7 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     for (std::uint32_t i = 0; i < rx_n_; ++i)
       if (std::error_code ec = post_recv(i)) throw gdr::error(ec, "gdr::verbs: ibv_post_recv");
     lane_setup();
+    enable_send_now();
   }
 
   /// Frees what setup() made. The queue pair must have no work request
@@ -451,25 +452,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
     if (established_) pump_tx();
   }
 
-  bool link_withdraw(frame& f) noexcept override {
-    if (!f.queued || (f.sealed && !failed())) return false;
-    if (f.where == in_tx) {
-      if (f.sealed) return false;
-      tx_.erase(&f);
-    } else if (f.where == in_dropped) {
-      dropped_.erase(&f);
-    } else {
-      return false;
-    }
-    f.where = nowhere;
-    f.queued = false;
-    if (f.encoded[0] == std::byte{1}) {
-      // Registered for a request that never went out: the peer never saw the key.
-      auto g = grant_of(f);
-      if (g != grants_.end()) grants_.erase(g);  // its registration ends with it
-    }
-    return true;
-  }
+  /// The eager fast path (engine.hpp; send.hpp).
+  bool link_send_now(frame& f) noexcept override;
+
+  bool link_withdraw(frame& f) noexcept override;  // send.hpp
 
   bool link_committed(const frame& f) const noexcept override { return f.queued && f.sealed; }
 
@@ -730,8 +716,12 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
 
   // receive side
   std::unique_ptr<rx_item[]> backlog_;
-  std::uint32_t backlog_head_ = 0;  // a ring of rx_n_: the oldest item (wrapped by comparison, no division)
-  std::uint32_t backlog_n_ = 0;     // items kept (counters modulo rx_n_ would collide when they wrap)
+  // A ring of rx_n_: the oldest item's index and how many are kept
+  // (wrapped by comparison: a division per message is not free, and
+  // counters taken modulo a size that is not a power of two would collide
+  // when they wrap).
+  std::uint32_t backlog_head_ = 0;
+  std::uint32_t backlog_n_ = 0;
   sends_placement cont_{};  // a payload arriving in SENDs, buffer by buffer
   std::vector<grant> grants_;
   std::vector<remote_dst> remotes_;

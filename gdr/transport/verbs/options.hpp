@@ -89,6 +89,7 @@ struct key_info {
 struct endpoint_stats : protocol_stats {
   std::uint64_t send_wrs = 0;        ///< SEND work requests (a frame's first buffer, and continuations)
   std::uint64_t inline_sends = 0;    ///< of which inline
+  std::uint64_t fast_sends = 0;      ///< eager messages posted at once, never queued (`link_send_now`)
   std::uint64_t fragments = 0;       ///< continuation SENDs of payloads larger than a buffer
   std::uint64_t write_wrs = 0;       ///< RDMA WRITE work requests (WITH_IMM included)
   std::uint64_t read_wrs = 0;        ///< RDMA READ work requests (puts this side serves)

@@ -128,6 +128,53 @@ inline void connection::pump_tx() noexcept {
   maybe_send_credits();
 }
 
+/// Takes back a frame the NIC has not been given (the engine's withdraw).
+inline bool connection::link_withdraw(frame& f) noexcept {
+  if (!f.queued || (f.sealed && !failed())) return false;
+  if (f.where == in_tx) {
+    if (f.sealed) return false;
+    tx_.erase(&f);
+  } else if (f.where == in_dropped) {
+    dropped_.erase(&f);
+  } else {
+    return false;
+  }
+  f.where = nowhere;
+  f.queued = false;
+  if (f.encoded[0] == std::byte{1}) {
+    // Registered for a request that never went out: the peer never saw the key.
+    auto g = grant_of(f);
+    if (g != grants_.end()) grants_.erase(g);  // its registration ends with it
+  }
+  return true;
+}
+
+/// The eager fast path (engine.hpp): a message that fits one SEND, with
+/// nothing of this side's queued before it and the credit and room to go
+/// now, is posted inline or copied into a send buffer here; the frame is
+/// never queued. Anything else goes by link_post.
+inline bool connection::link_send_now(frame& f) noexcept {
+  if (!established_ || shut_ || failed() || tx_.head != nullptr || lane_ctl_due_ != 0) return false;
+  if (f.hdr.type != proto::msg::eager || f.nic_only || wire_size + f.hdr.length > frag_) return false;
+  if (!credits_.can_consume(1) || free_tx_ == nullptr || sq_used_ + 1 > sq_depth_) return false;
+  if (gate_.current() == nic_gate::state::read_ready) return false;  // pump_tx posts that first
+  f.sealed = false;
+  f.written = 0;
+  f.encoded[0] = std::byte{2};  // carries no key
+  copied_frame_ = nullptr;
+  // One SEND: posted whole or not at all (a failed post fails the
+  // connection; the frame then goes by link_post, which drops it).
+  if (!post_sends(f) || copied_frame_ != &f) {
+    copied_frame_ = nullptr;
+    f.sealed = false;
+    f.written = 0;
+    return false;
+  }
+  copied_frame_ = nullptr;
+  ++stats_.fast_sends;
+  return true;
+}
+
 /// Posts (the rest of) `f`. True when all of it is posted.
 inline bool connection::post_frame(frame& f) noexcept {
   if (!f.sealed) {
