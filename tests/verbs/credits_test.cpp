@@ -191,6 +191,19 @@ TEST_CASE("small sends take the fast path while nothing waits, and queue in orde
         CHECK(a.stats().fast_sends == fast0 + 1);
         co_await b.recv(host(got1), gdr::tag{3});
         CHECK(got1 == one);
+        // After a rendezvous message (its bytes went by RDMA), a fast send
+        // reports its own path, not the last one the transport took.
+        std::vector<std::byte> big = pattern(1024 * 1024, 2), got_big(big.size());
+        auto [br, bq] = co_await gdr::when_all(report_of(a.send(chost(big), gdr::tag{5})),
+                                               report_of(b.recv(host(got_big), gdr::tag{5})));
+        CHECK(br.path == gdr::transfer_path::host_zero_copy);
+        const auto fast_after_big = a.stats().fast_sends;
+        auto [sr, sq] = co_await gdr::when_all(report_of(a.send(chost(one), gdr::tag{3})),
+                                               report_of(b.recv(host(got1), gdr::tag{3})));
+        CHECK(a.stats().fast_sends == fast_after_big + 1);
+        CHECK(sr.path == gdr::transfer_path::host_eager);
+        (void)bq;
+        (void)sq;
 
         constexpr int burst = 64;
         std::vector<std::vector<std::byte>> out(burst), in(burst, std::vector<std::byte>(40));

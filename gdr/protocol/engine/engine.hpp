@@ -480,10 +480,7 @@ class engine {
   // (`frame::nic_only`, `frame::device`) and placements (`rx_plan::device`).
 
   /// Marks `f` as carrying or naming memory only the NIC may move.
-  static void mark_nic(frame& f, int device, bool nic_only) noexcept {
-    f.nic_only = nic_only;
-    f.device = static_cast<std::int8_t>(device < 0 ? -1 : device);
-  }
+  static void mark_nic(frame& f, int device, bool nic_only) noexcept;
 
   /// A GPUDirect Device receive cannot take `len` eager bytes (they are in
   /// host memory already, and only the CPU could copy them): it fails with
@@ -495,9 +492,7 @@ class engine {
 
   /// The segment of this side's own device memory: one chunk, or less if
   /// the peer's bounce buffers are smaller.
-  std::size_t own_segment() const noexcept {
-    return peer_seg_ != 0 ? std::min<std::size_t>(chunk_, peer_seg_) : chunk_;
-  }
+  std::size_t own_segment() const noexcept;
 
   /// The largest message `o` sends eager: the threshold, and from device
   /// memory within one bounce buffer (copied out whole, then sent).
@@ -615,9 +610,7 @@ class engine {
   };
   void remember_range(std::uint64_t lo, std::uint64_t hi, std::uint64_t left) noexcept;
   bool forget_in_range(std::uint64_t id) noexcept;
-  bool is_dropped(std::uint64_t token) const noexcept {
-    return std::find(dropped_tokens_.begin(), dropped_tokens_.end(), token) != dropped_tokens_.end();
-  }
+  bool is_dropped(std::uint64_t token) const noexcept;
 
   // ---------------------------------------------------------------- early credits
   //
@@ -676,10 +669,7 @@ class engine {
   reply_slot* make_slot() noexcept;
 
   /// The error a put or get fails with for a refusing answer.
-  static std::error_code answer_error(status st) noexcept {
-    if (st == status::no_memory) return errno_code(ENOMEM);
-    return errc::remote_access;
-  }
+  static std::error_code answer_error(status st) noexcept;
   /// A bounce buffer of `p` for serving request `id` (reply slot `s`, lease
   /// `l` on device memory, `len` bytes). Null when none is free: the lease
   /// and the reply slot are given back, nothing changed (the caller pauses).

@@ -250,6 +250,11 @@ inline reply_slot* engine::take_slot() noexcept {
   return make_slot();
 }
 
+inline std::error_code engine::answer_error(status st) noexcept {
+  if (st == status::no_memory) return errno_code(ENOMEM);
+  return errc::remote_access;
+}
+
 inline reply_slot* engine::make_slot() noexcept {
   if (slots_made_count_ >= slot_limit_) return nullptr;
   auto* s = new (std::nothrow) reply_slot;

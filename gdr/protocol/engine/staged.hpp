@@ -464,6 +464,14 @@ inline void engine::remember_range(std::uint64_t lo, std::uint64_t hi, std::uint
   }
 }
 
+inline std::size_t engine::own_segment() const noexcept {
+  return peer_seg_ != 0 ? std::min<std::size_t>(chunk_, peer_seg_) : chunk_;
+}
+
+inline bool engine::is_dropped(std::uint64_t token) const noexcept {
+  return std::find(dropped_tokens_.begin(), dropped_tokens_.end(), token) != dropped_tokens_.end();
+}
+
 inline bool engine::forget_in_range(std::uint64_t id) noexcept {
   for (auto it = dropped_ranges_.begin(); it != dropped_ranges_.end(); ++it) {
     if (id < it->lo || id >= it->hi) continue;

@@ -345,6 +345,11 @@ inline rx_plan engine::rx_rts_withdrawn(const header& h) noexcept {
   return consumed();
 }
 
+inline void engine::mark_nic(frame& f, int device, bool nic_only) noexcept {
+  f.nic_only = nic_only;
+  f.device = static_cast<std::int8_t>(device < 0 ? -1 : device);
+}
+
 inline bool engine::refuses_eager(op& r, std::size_t len) noexcept {
   if (r.nic_dev_ < 0 || std::min(len, r.size_) == 0) return false;
   r.what_ = "a Device receive on a direct endpoint (GPUDirect, CUDA IPC) takes only messages moved straight into "

@@ -171,6 +171,7 @@ inline bool connection::link_send_now(frame& f) noexcept {
     return false;
   }
   copied_frame_ = nullptr;
+  tx_path_ = transfer_path::host_eager;  // what the engine reports for it (link_tx_path)
   ++stats_.fast_sends;
   return true;
 }
