@@ -173,6 +173,17 @@ TEST_CASE("seeds the long runs found hold over shared memory: committed frames, 
   run_seeds({transport_kind::shm}, {10177, 100610, 103609, 103639, 103759});
 }
 
+TEST_CASE("seeds the long runs found hold over shared memory: a stopped send the peer answered after it ended") {
+  // A Device send was stopped after the peer's receive matched it: its
+  // rts_cancel waited in order behind a payload the peer copies, the peer
+  // (closing) answered with an rtr and ended, and this side, its reader
+  // paused, failed the send with peer_closed when the peer's hang-up
+  // released the unread frames. The rtr, read after that, named no send
+  // any more: a protocol error failed every other operation (both modes;
+  // 1 of 13,289 seeds on 16 cores).
+  run_seeds({transport_kind::shm}, {308687});
+}
+
 TEST_CASE("seeds the long runs found hold over shared memory: a close aborted while the peer could still copy") {
   // A shut-down connection holds payloads the peer may be copying until
   // the peer's end; the end came, the payloads were released, but the

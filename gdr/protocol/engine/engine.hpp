@@ -730,7 +730,7 @@ class engine {
   fifo<early_msg, &early_msg::prev, &early_msg::next> early_{};
   std::size_t early_bytes_ = 0;
   std::vector<std::uint64_t> dropped_tokens_;   // rendezvous data to drop (cancelled receives)
-  std::vector<std::uint64_t> dropped_answers_;  // answers to drop (cancelled puts and gets)
+  std::vector<std::uint64_t> dropped_answers_;  // answers to drop (cancelled puts and gets, sends ended unanswered)
   reply_slot* free_slots_ = nullptr;
   reply_slot* serve_wait_head_ = nullptr;  // gets of Device memory waiting for a tx bounce buffer
   reply_slot* serve_wait_tail_ = nullptr;

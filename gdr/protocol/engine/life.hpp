@@ -302,6 +302,13 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
         remember(dropped_answers_, o.id_);
       }
       break;
+    case op::stage::announced:
+    case op::stage::withdrawing:
+      // A send ended by a frame that did not go (its rts_cancel, after the
+      // peer's end): the peer's rtr or rts_withdrawn may still be in what
+      // this side has not read, and is dropped when it comes.
+      if (!error_) remember(dropped_answers_, o.id_);
+      break;
     default: break;
   }
   delist(o);

@@ -245,6 +245,7 @@ inline void engine::cancel_send(op& o, std::error_code why) noexcept {
 inline rx_plan engine::rx_rtr(const header& h) noexcept {
   op* s = announced_.head;
   while (s != nullptr && s->id_ != h.id) s = s->next_;
+  if (s == nullptr && forget(dropped_answers_, h.id)) return consumed();  // a send that ended unanswered
   if (s == nullptr || h.size > s->size_) return fail_plan();  // not one of ours
   if (s->nic_dev_ >= 0 && h.key != 0) return fail_plan();  // a staging peer: the ends disagree
   if (s->dev_ >= 0 || h.key != 0) return rtr_segmented(*s, h);
@@ -333,9 +334,11 @@ inline void engine::answer_withdrawn(std::uint64_t id) noexcept {
 inline rx_plan engine::rx_rts_withdrawn(const header& h) noexcept {
   op* s = announced_.head;
   while (s != nullptr && s->id_ != h.id) s = s->next_;
-  if (s == nullptr) return fail_plan();
+  if (s == nullptr) return forget(dropped_answers_, h.id) ? consumed() : fail_plan();
   ++stats_->withdrawn;
-  if (s->stage_ == op::stage::withdrawing) {
+  const bool asked = s->stage_ == op::stage::withdrawing;
+  s->to(op::stage::idle);  // answered: nothing more comes for it
+  if (asked) {
     complete(*s, s->stop_reason_);  // the answer to its rts_cancel
   } else {
     // Unasked: the peer closed without receiving it. Closing here too,
