@@ -119,6 +119,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <new>
 #include <optional>
 #include <stop_token>
@@ -215,6 +216,7 @@ class scheduler {
   ~scheduler() {
     finish_inflight();
     drop_stop_hooks();
+    *alive_ = false;
     tsan_ring_handoff(false);
     io_uring_queue_exit(&ring_);
     // Wake-up messages still in flight to this ring keep the eventfd open
@@ -251,6 +253,12 @@ class scheduler {
     submit();
     return io_uring_get_sqe(&ring_);
   }
+
+  /// Whether this scheduler still exists, for an object that may outlive
+  /// it by misuse (an endpoint destroyed after its scheduler must touch
+  /// nothing of it: see "Teardown" in the file comment). False once the
+  /// destructor has finished the loop. Copied by such objects when made.
+  std::shared_ptr<const bool> alive_flag() const noexcept { return alive_; }
 
   /// Counts one more operation whose final CQE is outstanding (or other
   /// work the loop must finish before it is quiescent: see `note_done`).
@@ -745,6 +753,7 @@ class scheduler {
   std::uint64_t wake_buf_ = 0;
   wake_op wake_op_{};
   std::size_t inflight_ = 0;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // alive_flag()
   std::size_t messages_inflight_ = 0;  // MSG_RING wake-ups sent from this ring, not reaped yet
   std::vector<std::uint64_t> pending_cancels_;  // user_data of operations to cancel
   const batch_frame* batch_ = nullptr;  // the CQEs being dispatched (for defer_cancel)

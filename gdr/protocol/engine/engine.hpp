@@ -695,6 +695,7 @@ class engine {
   // ---------------------------------------------------------------- state
 
   scheduler* sched_;
+  std::shared_ptr<const bool> sched_alive_;  // the scheduler's alive_flag()
   memory_registry* registry_;
   protocol_options opts_;
   protocol_stats* stats_;
@@ -702,6 +703,7 @@ class engine {
   std::error_code error_{};
   bool closing_ = false;
   bool abandoned_ = false;
+  bool counted_ = false;  // abandoned and counted in flight by the scheduler (abandon)
   bool got_hello_ = false;
   bool paused_ = false;
   std::uint64_t peer_max_ = 0;

@@ -27,7 +27,7 @@ namespace gdr::detail::proto {
 
 inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options& o, protocol_stats& stats,
                       std::uint64_t caps)
-    : sched_(&s), registry_(&reg), opts_(o), stats_(&stats) {
+    : sched_(&s), sched_alive_(s.alive_flag()), registry_(&reg), opts_(o), stats_(&stats) {
   if (opts_.rendezvous_threshold > opts_.max_message) opts_.rendezvous_threshold = opts_.max_message;
   // Room is granted back in quarters of the peer's budget (maybe_grant).
   grant_bytes_ = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
@@ -47,7 +47,7 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
 }
 
 inline engine::~engine() {
-  if (abandoned_) sched_->note_done();
+  if (counted_ && *sched_alive_) sched_->note_done();
   while (early_msg* m = early_.pop_front()) delete m;
   while (reply_slot* s = slots_made_) {
     slots_made_ = s->next_made;
@@ -118,8 +118,12 @@ inline void engine::abandon() noexcept {
   // Until it frees itself it counts as in flight, so drain() and the
   // scheduler's teardown wait for it: what its transport still waits for
   // (a NIC's flushed requests, a copy) completes through pollers, which
-  // the scheduler does not count. ~engine gives it back.
-  sched_->note_submitted();
+  // the scheduler does not count. ~engine gives it back. (Not when the
+  // scheduler is gone: an endpoint that outlived it touches nothing of it.)
+  if (*sched_alive_) {
+    sched_->note_submitted();
+    counted_ = true;
+  }
   event_scope ev(*this);  // its end frees this once the transport is quiet
   if (!error_) fail(errc::closed);
   abort_link();  // an orderly end still under way
