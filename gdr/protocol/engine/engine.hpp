@@ -703,7 +703,6 @@ class engine {
   std::error_code error_{};
   bool closing_ = false;
   bool abandoned_ = false;
-  bool counted_ = false;  // abandoned and counted in flight by the scheduler (abandon)
   bool got_hello_ = false;
   bool paused_ = false;
   std::uint64_t peer_max_ = 0;

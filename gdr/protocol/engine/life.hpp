@@ -47,7 +47,7 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
 }
 
 inline engine::~engine() {
-  if (counted_ && *sched_alive_) sched_->note_done();
+  if (abandoned_ && *sched_alive_) sched_->note_done();  // counted by abandon(): the flag never comes back
   while (early_msg* m = early_.pop_front()) delete m;
   while (reply_slot* s = slots_made_) {
     slots_made_ = s->next_made;
@@ -120,10 +120,7 @@ inline void engine::abandon() noexcept {
   // (a NIC's flushed requests, a copy) completes through pollers, which
   // the scheduler does not count. ~engine gives it back. (Not when the
   // scheduler is gone: an endpoint that outlived it touches nothing of it.)
-  if (*sched_alive_) {
-    sched_->note_submitted();
-    counted_ = true;
-  }
+  if (*sched_alive_) sched_->note_submitted();
   event_scope ev(*this);  // its end frees this once the transport is quiet
   if (!error_) fail(errc::closed);
   abort_link();  // an orderly end still under way
