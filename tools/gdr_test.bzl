@@ -33,7 +33,10 @@ def gdr_test(name, srcs, deps = [], size = "small", tags = [], data = [], env = 
     "tests/support/capture_stderr.hpp" are available.
 
     Tag tests that need hardware or run long, so they can be filtered with
-    --test_tag_filters: "gpu", "rdma", "multi_gpu", "long".
+    --test_tag_filters: "gpu", "rdma", "multi_gpu", "long". Tag "threads" a
+    test that starts a thread (or whose helper does): --config=tsan runs
+    only those (gdr starts no thread of its own; a data race needs two), and
+    .ci/run checks that none is missing (.ci/tsan-scope.sh).
     """
     native.cc_test(
         name = name,
@@ -47,18 +50,20 @@ def gdr_test(name, srcs, deps = [], size = "small", tags = [], data = [], env = 
         **kwargs
     )
 
-def gdr_tests(srcs, hdrs = [], deps = [], **kwargs):
+def gdr_tests(srcs, hdrs = [], deps = [], threaded = [], tags = [], **kwargs):
     """One gdr_test per source file, named after its package-relative path
     without the extension: `loopback/endpoint_test.cpp` gives
     `:loopback/endpoint_test`. Used with glob(["**/*_test.cpp"]) so new tests
     are picked up; `hdrs` are helper headers any of them may include (as
     "tests/<area>/..."). Declare a test by hand (and exclude it from the
-    glob) when it needs its own tags, size or data."""
+    glob) when it needs its own tags, size or data. `threaded`: the sources
+    among `srcs` that start threads (tagged "threads")."""
     for src in srcs:
         gdr_test(
             name = src.rsplit(".", 1)[0],
             srcs = [src] + hdrs,
             deps = deps,
+            tags = tags + (["threads"] if src in threaded else []),
             **kwargs
         )
 
