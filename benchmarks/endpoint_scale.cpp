@@ -7,10 +7,12 @@
 // use from mallinfo2, and resident set), beside raw blocking sockets doing
 // the same connects, accepts and 1-byte messages, in the same run, and the
 // ratios. Needs about N + 20 descriptors (RLIMIT_NOFILE is raised to its hard
-// limit; it says so when that is too few).
+// limit; it says so when that is too few). --no-message leaves the 1-byte
+// message out on both sides: then a connection is the connect and the accept
+// alone (gdr's hellos still go out, but nobody waits for them).
 //
 //   ./bazelw build -c opt //benchmarks:endpoint_scale
-//   bazel-bin/benchmarks/endpoint_scale [--endpoints 10000] [--reps 3] [--small]
+//   bazel-bin/benchmarks/endpoint_scale [--endpoints 10000] [--reps 3] [--small] [--no-message]
 #include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -55,7 +57,7 @@ std::size_t rss_bytes() {
 
 // Raw blocking sockets: connect, accept, one byte written and read, per
 // connection; both descriptors kept open until all are made.
-sample run_raw(int conns) {
+sample run_raw(int conns, bool message) {
   std::vector<int> fds;
   fds.reserve(2 * static_cast<std::size_t>(conns));
   std::uint16_t port = 0;
@@ -71,7 +73,7 @@ sample run_raw(int conns) {
     if (s < 0) bench::die("accept");
     bench::set_nodelay(s);
     char b = 1;
-    if (::send(c, &b, 1, MSG_NOSIGNAL) != 1 || ::recv(s, &b, 1, 0) != 1) bench::die("1-byte message");
+    if (message && (::send(c, &b, 1, MSG_NOSIGNAL) != 1 || ::recv(s, &b, 1, 0) != 1)) bench::die("1-byte message");
     fds.push_back(c);
     fds.push_back(s);
   }
@@ -87,7 +89,7 @@ sample run_raw(int conns) {
 }
 
 // gdr: the same on one scheduler, the endpoints kept until all are made.
-sample run_gdr(int conns, bool small) {
+sample run_gdr(int conns, bool small, bool message) {
   sample r;
   tcp::endpoint_options eo;
   if (small) {
@@ -117,8 +119,10 @@ sample run_gdr(int conns, bool small) {
         auto acc = l.accept();
         tcp::endpoint a = co_await tcp::connect(s, l.local_address(), eo);
         tcp::endpoint b = co_await std::move(acc);
-        co_await a.send(gdr::host_view(x));
-        co_await b.recv(gdr::host_view(y));
+        if (message) {
+          co_await a.send(gdr::host_view(x));
+          co_await b.recv(gdr::host_view(y));
+        }
         eps.push_back(std::move(a));
         eps.push_back(std::move(b));
       }
@@ -142,7 +146,7 @@ void print(const char* what, const sample& s) {
 
 int main(int argc, char** argv) {
   int endpoints = 10000, reps = 3;
-  bool small = false;
+  bool small = false, message = true;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--endpoints" && i + 1 < argc) {
@@ -151,8 +155,10 @@ int main(int argc, char** argv) {
       reps = std::atoi(argv[++i]);
     } else if (a == "--small") {
       small = true;
+    } else if (a == "--no-message") {
+      message = false;
     } else {
-      std::fprintf(stderr, "usage: %s [--endpoints N] [--reps R] [--small]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--endpoints N] [--reps R] [--small] [--no-message]\n", argv[0]);
       return a == "--help" ? 0 : 2;
     }
   }
@@ -168,13 +174,14 @@ int main(int argc, char** argv) {
                  static_cast<unsigned long long>(rl.rlim_cur), endpoints, endpoints + 20);
     return 1;
   }
-  std::printf("%d endpoints (%d connections, both ends here) on one scheduler; RLIMIT_NOFILE %llu%s\n", 2 * conns,
-              conns, static_cast<unsigned long long>(rl.rlim_cur), small ? "; rx_buffer 4096, reply_slots 4" : "");
+  std::printf("%d endpoints (%d connections, both ends here) on one scheduler; RLIMIT_NOFILE %llu%s%s\n", 2 * conns,
+              conns, static_cast<unsigned long long>(rl.rlim_cur), small ? "; rx_buffer 4096, reply_slots 4" : "",
+              message ? "" : "; no message (connect and accept only)");
   std::vector<double> rt, gt, rl10, gl10, rh, gh, rr, gr;
   for (int k = 0; k < reps; ++k) {
     // Alternating, so that the machine's load falls on both alike.
-    sample raw = run_raw(conns);
-    sample g = run_gdr(conns, small);
+    sample raw = run_raw(conns, message);
+    sample g = run_gdr(conns, small, message);
     std::printf("rep %d   us/conn  us/conn (last 10%%)  heap KiB/ep   RSS KiB/ep\n", k + 1);
     print("raw", raw);
     print("gdr", g);

@@ -14,7 +14,10 @@
 /// Writer. The engine posts frames (a header and a pointer to the payload)
 /// into one FIFO. While no write is in flight, the writer gathers up to
 /// `max_batch` frames (and `batch_bytes` of payload) from the head of the
-/// queue into one iovec array, [header, payload, header, payload, ...], and
+/// queue into one iovec array, [header, payload, header, payload, ...] (a
+/// few inside the connection; the whole array of `2 * max_batch` is
+/// allocated the first time a batch needs more, so an idle endpoint does not
+/// carry it), and
 /// submits one `IORING_OP_SENDMSG`: the kernel copies the payloads straight
 /// from the users' buffers (no copy in user space, at any size), and many
 /// coroutines' small messages share one system call. A batch of at most
@@ -100,6 +103,9 @@ class connection final : public proto::engine {
   /// Batches of at most this many bytes (headers and payloads) are copied
   /// into one buffer and written with `send` instead of `sendmsg`.
   static constexpr std::size_t small_write = 512;
+  /// The iovecs inside the connection (four frames); a longer batch first
+  /// allocates the full array (grow_iov).
+  static constexpr std::size_t iov_inline = 8;
   /// The staging buffer a connection starts with, inside it; the
   /// `rx_buffer` bytes are allocated once a read fills it.
   static constexpr std::size_t rx_inline = 512;
@@ -273,6 +279,10 @@ class connection final : public proto::engine {
   /// (sealing its frames and marking them in flight); a small batch is also
   /// copied into small_buf_. Returns its bytes.
   std::size_t gather() noexcept;
+
+  /// Moves the iovecs to a heap array of 2 * max_batch. False if it cannot
+  /// be allocated (the batch stays within the inline ones).
+  bool grow_iov(std::size_t used) noexcept;
 
   /// Writes what is queued, while no write is in flight: with non-blocking
   /// system calls while they take everything (`direct`: inside an event
@@ -450,7 +460,10 @@ class connection final : public proto::engine {
   bool handler_wrote_ = false;   // this handler made its one direct write
   int zc_result_ = 0;
   msghdr msg_{};
-  iovec iov_[2 * max_batch]{};
+  iovec iov_small_[iov_inline]{};
+  iovec* iov_ = iov_small_;               // iov_small_, or iov_big_ once a batch needed more
+  std::size_t iov_cap_ = iov_inline;
+  std::unique_ptr<iovec[]> iov_big_;
   std::byte small_buf_[small_write];  // a small batch, copied (start_write)
   alignas(8) std::byte rx_small_[rx_inline];  // the first staging buffer (see rx_buf_)
 

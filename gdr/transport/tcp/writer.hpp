@@ -93,23 +93,44 @@ inline bool connection::direct_writes() const noexcept {
   return topts_.direct_writes_in_busy_poll && sched().mode() == run_mode::busy_poll;
 }
 
+inline bool connection::grow_iov(std::size_t used) noexcept {
+  if (iov_big_) return false;
+  auto* big = new (std::nothrow) iovec[2 * max_batch];
+  if (big == nullptr) return false;
+  std::copy_n(iov_, used, big);
+  iov_big_.reset(big);
+  iov_ = big;
+  iov_cap_ = 2 * max_batch;
+  msg_.msg_iov = iov_;
+  return true;
+}
+
 inline std::size_t connection::gather() noexcept {
   std::size_t iovn = 0;
   std::size_t payload = 0;
   std::size_t n = 0;
+  // Locals: stores through the array must not make the loop reload members.
+  iovec* iov = iov_;
+  std::size_t cap = iov_cap_;
   for (frame* f = tx_.head; f != nullptr && n < max_batch; f = f->next) {
+    // A frame takes up to two iovecs.
+    if (iovn + 2 > cap) {
+      if (!grow_iov(iovn)) break;
+      iov = iov_;
+      cap = iov_cap_;
+    }
     if (!f->sealed) seal(*f);
     f->in_flight = true;
     std::size_t off = f->written;
     if (off < wire::header_size) {
-      iov_[iovn++] = {f->encoded + off, wire::header_size - off};
+      iov[iovn++] = {f->encoded + off, wire::header_size - off};
       off = 0;
     } else {
       off -= wire::header_size;
     }
     if (f->hdr.length > off) {
       // sendmsg only reads through iov_base; iovec has no const member.
-      iov_[iovn++] = {const_cast<std::byte*>(f->payload) + off, static_cast<std::size_t>(f->hdr.length) - off};
+      iov[iovn++] = {const_cast<std::byte*>(f->payload) + off, static_cast<std::size_t>(f->hdr.length) - off};
       payload += f->hdr.length - off;
     }
     ++n;
@@ -119,7 +140,7 @@ inline std::size_t connection::gather() noexcept {
   msg_.msg_iovlen = iovn;
   zc_write_ = topts_.zero_copy_send_threshold != 0 && payload >= topts_.zero_copy_send_threshold;
   std::size_t bytes = 0;
-  for (std::size_t i = 0; i < iovn; ++i) bytes += iov_[i].iov_len;
+  for (std::size_t i = 0; i < iovn; ++i) bytes += iov[i].iov_len;
   small_ = bytes <= small_write && !zc_write_;
   if (small_) {
     // A small batch is copied into one buffer and sent with a plain send:
@@ -127,8 +148,8 @@ inline std::size_t connection::gather() noexcept {
     // array, which costs more than copying these few bytes here.
     std::size_t off = 0;
     for (std::size_t i = 0; i < iovn; ++i) {
-      std::memcpy(small_buf_ + off, iov_[i].iov_base, iov_[i].iov_len);
-      off += iov_[i].iov_len;
+      std::memcpy(small_buf_ + off, iov[i].iov_base, iov[i].iov_len);
+      off += iov[i].iov_len;
     }
   }
   return bytes;
