@@ -36,7 +36,10 @@ def gdr_test(name, srcs, deps = [], size = "small", tags = [], data = [], env = 
     --test_tag_filters: "gpu", "rdma", "multi_gpu", "long". Tag "threads" a
     test that starts a thread (or whose helper does): --config=tsan runs
     only those (gdr starts no thread of its own; a data race needs two), and
-    .ci/run checks that none is missing (.ci/tsan-scope.sh).
+    .ci/run checks that none is missing (.ci/sanitizer-scope.sh). Tag
+    "hardware_only" a test whose every case needs a GPU or an RDMA device:
+    here it only skips, and the sanitizer configs leave it out (the same
+    script checks, against the default config's logs, that it ran no case).
     """
     native.cc_test(
         name = name,
@@ -50,20 +53,23 @@ def gdr_test(name, srcs, deps = [], size = "small", tags = [], data = [], env = 
         **kwargs
     )
 
-def gdr_tests(srcs, hdrs = [], deps = [], threaded = [], tags = [], **kwargs):
+def gdr_tests(srcs, hdrs = [], deps = [], threaded = [], hardware_only = [], tags = [], **kwargs):
     """One gdr_test per source file, named after its package-relative path
     without the extension: `loopback/endpoint_test.cpp` gives
     `:loopback/endpoint_test`. Used with glob(["**/*_test.cpp"]) so new tests
     are picked up; `hdrs` are helper headers any of them may include (as
     "tests/<area>/..."). Declare a test by hand (and exclude it from the
     glob) when it needs its own tags, size or data. `threaded`: the sources
-    among `srcs` that start threads (tagged "threads")."""
+    among `srcs` that start threads (tagged "threads"); `hardware_only`:
+    those whose every case needs a GPU or an RDMA device (tagged
+    "hardware_only")."""
     for src in srcs:
         gdr_test(
             name = src.rsplit(".", 1)[0],
             srcs = [src] + hdrs,
             deps = deps,
-            tags = tags + (["threads"] if src in threaded else []),
+            tags = tags + (["threads"] if src in threaded else []) +
+                   (["hardware_only"] if src in hardware_only else []),
             **kwargs
         )
 
