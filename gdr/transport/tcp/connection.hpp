@@ -129,7 +129,7 @@ class connection final : public proto::engine {
     kick_.self = this;
     kick_.run = &on_kick;
     spin_.self = this;
-    msg_.msg_iov = iov_;
+    msg_.msg_iov = iov_small_;
     say_hello();
     // The reader runs from the start: the peer may send requests (put/get)
     // before this side posts anything.
@@ -275,7 +275,7 @@ class connection final : public proto::engine {
   /// (endpoint_options::direct_writes_in_busy_poll).
   bool direct_writes() const noexcept;
 
-  /// Gathers the next batch from the head of the queue into iov_/msg_
+  /// Gathers the next batch from the head of the queue into msg_
   /// (sealing its frames and marking them in flight); a small batch is also
   /// copied into small_buf_. Returns its bytes.
   std::size_t gather() noexcept;
@@ -461,9 +461,7 @@ class connection final : public proto::engine {
   int zc_result_ = 0;
   msghdr msg_{};
   iovec iov_small_[iov_inline]{};
-  iovec* iov_ = iov_small_;               // iov_small_, or iov_big_ once a batch needed more
-  std::size_t iov_cap_ = iov_inline;
-  std::unique_ptr<iovec[]> iov_big_;
+  std::unique_ptr<iovec[]> iov_big_;  // 2 * max_batch, once a batch needed more (msg_.msg_iov: the one in use)
   std::byte small_buf_[small_write];  // a small batch, copied (start_write)
   alignas(8) std::byte rx_small_[rx_inline];  // the first staging buffer (see rx_buf_)
 

@@ -97,11 +97,9 @@ inline bool connection::grow_iov(std::size_t used) noexcept {
   if (iov_big_) return false;
   auto* big = new (std::nothrow) iovec[2 * max_batch];
   if (big == nullptr) return false;
-  std::copy_n(iov_, used, big);
+  std::copy_n(iov_small_, used, big);
   iov_big_.reset(big);
-  iov_ = big;
-  iov_cap_ = 2 * max_batch;
-  msg_.msg_iov = iov_;
+  msg_.msg_iov = big;
   return true;
 }
 
@@ -110,14 +108,14 @@ inline std::size_t connection::gather() noexcept {
   std::size_t payload = 0;
   std::size_t n = 0;
   // Locals: stores through the array must not make the loop reload members.
-  iovec* iov = iov_;
-  std::size_t cap = iov_cap_;
+  iovec* iov = msg_.msg_iov;
+  std::size_t cap = iov_big_ ? 2 * max_batch : iov_inline;
   for (frame* f = tx_.head; f != nullptr && n < max_batch; f = f->next) {
     // A frame takes up to two iovecs.
     if (iovn + 2 > cap) {
       if (!grow_iov(iovn)) break;
-      iov = iov_;
-      cap = iov_cap_;
+      iov = msg_.msg_iov;
+      cap = 2 * max_batch;
     }
     if (!f->sealed) seal(*f);
     f->in_flight = true;

@@ -343,7 +343,7 @@ TEST_CASE("many concurrent sends and receives on one endpoint are matched in ord
 // not carry the full array) and allocates the full one when a batch needs
 // more: forty frames posted while a write is in flight still go out in a
 // few system calls, intact.
-TEST_CASE("a batch of more frames than the connection's inline iovecs shares one sendmsg") {
+TEST_CASE("frames beyond the connection's inline iovecs still share sendmsg calls") {
   tcp_test::watchdog wd(30);
   for (auto mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
     CAPTURE(static_cast<int>(mode));
