@@ -36,7 +36,9 @@
 /// order, and a payload's memory is the sender's again only once the peer
 /// is done reading it: counted, or, when the connection ends before, once
 /// the peer has ended (a shut-down connection ends only its own half and
-/// waits for the peer's hang-up, at most `close_linger`).
+/// waits for the peer's hang-up, at most `close_linger`). A frame written
+/// after the peer's hang-up (the peer, ending, drops what it reads) waits
+/// for nothing: `sent_` is empty whenever the peer has hung up.
 ///
 /// Device memory by CUDA IPC (`endpoint_options::device`, agreed in the
 /// handshake). The engine then moves `Device` memory directly
