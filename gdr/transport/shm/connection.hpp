@@ -38,7 +38,7 @@
 /// the peer has ended (a shut-down connection ends only its own half and
 /// waits for the peer's hang-up, at most `close_linger`). A frame written
 /// after the peer's hang-up (the peer, ending, drops what it reads) waits
-/// for nothing: `sent_` is empty whenever the peer has hung up.
+/// for nothing: `sent_` is empty whenever the peer's end has been taken.
 ///
 /// Device memory by CUDA IPC (`endpoint_options::device`, agreed in the
 /// handshake). The engine then moves `Device` memory directly

@@ -204,10 +204,12 @@ inline void connection::written(frame& f, bool in_event) noexcept {
     f.seq = single ? ++copies_out_ : copies_out_;
     f.where = in_sent;
     sent_.push_back(&f);
-    // The peer has ended its half: it copies nothing more, so the frame
-    // waits for nothing (a reply slot or bounce buffer held here would
-    // hold the reader that still has the peer's last frames to read).
-    if (peer_gone_) {
+    // The peer's end is taken (peer_ended: not while a GPU copy defers
+    // it): it copies nothing more, so the frame waits for nothing (a reply
+    // slot or bounce buffer held here would hold the reader that still has
+    // the peer's last frames to read). Its error is the end's: the peer's
+    // close, or the connection lost.
+    if (peer_gone_ && !hangup_due_) {
       settle_copied(in_event);
       release_sent();
     }
