@@ -303,4 +303,24 @@ inline plan make_plan(std::uint64_t seed, transport_kind t, double scale) {
   return p;
 }
 
+/// The size of the stream's fin (its last message, which ends the
+/// receiver's phase), given the largest message its receiver accepts: a
+/// size no other message of the stream has, so that a receive of it says
+/// so even truncated (every message begins with the same magic, and a
+/// receive truncated to a few bytes shows nothing else). Larger than every
+/// message the receiver accepts, or else the largest size the stream does
+/// not send.
+inline std::size_t fin_size(const stream_plan& sp, std::uint64_t limit) {
+  std::size_t largest = 0;
+  for (const send_plan& s : sp.sends)
+    if (s.size <= limit) largest = std::max(largest, s.size);
+  if (std::max(header_size, largest + 1) <= limit) return std::max(header_size, largest + 1);
+  auto sent = [&](std::size_t n) {
+    return std::any_of(sp.sends.begin(), sp.sends.end(), [&](const send_plan& s) { return s.size == n; });
+  };
+  auto n = static_cast<std::size_t>(limit);
+  while (n > header_size && sent(n)) --n;
+  return std::max(n, header_size);
+}
+
 }  // namespace stress

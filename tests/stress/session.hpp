@@ -122,14 +122,7 @@ class session {
     for (const stream_plan& sp : p.streams) {
       stream_state st;
       st.p = &sp;
-      // The fin is larger than any message the peer may accept and this
-      // stream sends, so a receive of it says so even truncated.
-      std::size_t largest = 0;
-      const std::uint64_t limit = p.side[1 - sp.from].opts.max_message;
-      for (const send_plan& s : sp.sends)
-        if (s.size <= limit) largest = std::max(largest, s.size);
-      st.fin_size = std::max<std::size_t>(header_size, largest + 1);
-      if (st.fin_size > limit) st.fin_size = header_size;
+      st.fin_size = fin_size(sp, p.side[1 - sp.from].opts.max_message);
       st.fin_bytes = message_bytes(p.seed, {sp.from, sp.tag, static_cast<std::uint32_t>(sp.sends.size()), st.fin_size, true});
       streams_.push_back(std::move(st));
     }
