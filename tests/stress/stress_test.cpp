@@ -151,6 +151,15 @@ TEST_CASE("seeds the long runs found hold over CUDA IPC: a closing side's unsent
   run_seeds({transport_kind::shm_ipc}, {761032});
 }
 
+TEST_CASE("seeds the long runs found hold over CUDA IPC: frames written after the hang-up end with the end's error") {
+  // 400342, 401848, 402060, 409538: the peer's endpoint broke and hung up
+  // while a GPU copy deferred taking its end; frames written meanwhile
+  // were released at once with peer_closed (the fix for frames written
+  // after the hang-up, in its first form), although the peer had not
+  // closed. They now wait for the end, which says the connection is lost.
+  run_seeds({transport_kind::shm_ipc}, {400342, 401848, 402060, 409538});
+}
+
 TEST_CASE("seeds the long runs found hold over shared memory: a frame the peer read before it ended arrived") {
   // 781939: a receive's rtr waited in the writer's list behind a message
   // the peer was to copy from this side's memory (frames complete in
