@@ -314,7 +314,8 @@ inline std::size_t fin_size(const stream_plan& sp, std::uint64_t limit) {
   std::size_t largest = 0;
   for (const send_plan& s : sp.sends)
     if (s.size <= limit) largest = std::max(largest, s.size);
-  if (std::max(header_size, largest + 1) <= limit) return std::max(header_size, largest + 1);
+  const std::size_t above = std::max(header_size, largest + 1);
+  if (above <= limit) return above;
   auto sent = [&](std::size_t n) {
     return std::any_of(sp.sends.begin(), sp.sends.end(), [&](const send_plan& s) { return s.size == n; });
   };
