@@ -168,7 +168,7 @@ class engine {
   /// The eager fast path (`enable_send_now`; called only when link calls
   /// are allowed): posts eager frame `f` whole at once, its bytes copied or
   /// inline, with nothing queued before it (true: the send is done). False:
-  /// nothing changed; it goes by `link_post`.
+  /// `link_post` follows at once (it keeps what a short write wrote).
   virtual bool link_send_now(frame& f) noexcept { return (void)f, false; }
   /// Direct one-sided operations (see engine/direct.hpp): post put, get or
   /// atomic `o` with the NIC (the transport owns it until on_direct_done,

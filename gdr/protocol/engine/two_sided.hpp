@@ -104,10 +104,13 @@ inline bool engine::launch(op& o) noexcept {
         f.payload = o.data_;
         mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0);  // GPUDirect: only an empty one
         // The fast path (UCX's eager short): outside any event, nothing in
-        // the outbox and no close under way, the transport may post it
-        // whole at once and copy it; then the send is done here (begin
-        // reports it: it never suspends, no frame stays with the link).
-        if (send_now_ && link_calls_now() && outbox_head_ == nullptr && !closing_ && link_send_now(f)) {
+        // the outbox, no other resumed coroutine about to post behind it
+        // (theirs would share one write) and no close under way, the
+        // transport may post it whole at once and copy it; then the send
+        // is done here (begin reports it: it never suspends, no frame
+        // stays with the link).
+        if (send_now_ && link_calls_now() && outbox_head_ == nullptr && ready_head_ == nullptr && !closing_ &&
+            link_send_now(f)) {
           o.bytes_ = o.size_;
           o.path_ = link_tx_path();
           return false;  // ec_ clear: done

@@ -25,7 +25,11 @@
 /// `IORING_OP_SEND`, which costs the kernel less. In busy-poll mode, the
 /// frames posted during an event handler are written at its end by a
 /// non-blocking system call instead (`endpoint_options::direct_writes_in_busy_poll`);
-/// what the socket cannot take goes to io_uring. A frame is *sealed*
+/// what the socket cannot take goes to io_uring. A small eager message sent
+/// while nothing is queued or being written, and no other coroutine of the
+/// event is about to run, is written whole by the send itself
+/// (`endpoint_options::fast_sends`, `link_send_now`; one per connection and
+/// loop turn): its `co_await` completes without suspending. A frame is *sealed*
 /// (numbered, committed) when it joins a batch; it can no longer be
 /// withdrawn, because the frames after it carry the next sequence numbers. A
 /// short write leaves the rest sealed at the head of the queue; frames the
@@ -130,6 +134,7 @@ class connection final : public proto::engine {
     kick_.run = &on_kick;
     spin_.self = this;
     msg_.msg_iov = iov_small_;
+    enable_send_now();
     say_hello();
     // The reader runs from the start: the peer may send requests (put/get)
     // before this side posts anything.
@@ -187,6 +192,7 @@ class connection final : public proto::engine {
   // ---------------------------------------------------------------- the engine's hooks
 
   void link_post(frame& f) noexcept override;
+  bool link_send_now(frame& f) noexcept override;
 
   bool link_withdraw(frame& f) noexcept override;
 
@@ -458,6 +464,8 @@ class connection final : public proto::engine {
   bool write_blocked_ = false;   // a direct write came back short: next write through io_uring
   bool write_deferred_ = false;  // frames queued in a handler, written at its end (link_flush)
   bool handler_wrote_ = false;   // this handler made its one direct write
+  frame* fast_rest_ = nullptr;   // link_send_now wrote part of it: link_post, next, keeps that progress
+  std::uint64_t fast_turn_ = ~std::uint64_t{0};  // the loop turn of the last link_send_now write
   int zc_result_ = 0;
   msghdr msg_{};
   iovec iov_small_[iov_inline]{};

@@ -56,6 +56,15 @@ struct endpoint_options {
   /// benchmarks/RESULTS.md). What the socket cannot take at once goes to
   /// io_uring, which waits for room. false: writes always go through io_uring.
   bool direct_writes_in_busy_poll = true;
+  /// In both run modes: a small eager message (up to 448 bytes) sent while
+  /// nothing is queued or being written, and no other coroutine resumed by
+  /// the same event is about to send, is written by the send itself (one
+  /// non-blocking `send`), and its `co_await` completes without suspending:
+  /// no queue, no write completion to process. One per endpoint and loop
+  /// turn, so a coroutine that only sends still lets the loop run. What the
+  /// socket does not take at once goes on through io_uring. false: every
+  /// frame goes through the writer's queue.
+  bool fast_sends = true;
   /// Socket settings (keepalive, TCP_USER_TIMEOUT, ...).
   socket_options socket{};
   /// How long an orderly close (this side's or the peer's) waits, after
@@ -70,6 +79,8 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t writes = 0;            ///< writes of a batch of frames (io_uring or direct)
   std::uint64_t zero_copy_writes = 0;  ///< of which SENDMSG_ZC
   std::uint64_t direct_writes = 0;     ///< of which non-blocking system calls by the loop (busy_poll)
+  std::uint64_t fast_sends = 0;        ///< of which small eager messages written whole by the send itself (fast_sends)
+  std::uint64_t fast_short = 0;        ///< writes of the send itself the socket took only part of (the rest: io_uring)
   std::uint64_t reads = 0;             ///< reads started (staging and direct; io_uring or spinning)
   std::uint64_t direct_reads = 0;      ///< of which straight into a user or registered buffer
   std::uint64_t spin_reads = 0;        ///< non-blocking recv() attempts by the loop (busy_poll, see endpoint_options)

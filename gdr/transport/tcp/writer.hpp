@@ -25,10 +25,15 @@
 namespace gdr::detail::tcp {
 
 inline void connection::link_post(frame& f) noexcept {
+  assert((fast_rest_ == nullptr || fast_rest_ == &f) && "gdr tcp: a frame posted between link_send_now and its post");
   f.queued = true;
-  f.sealed = false;
   f.in_flight = false;
-  f.written = 0;
+  if (fast_rest_ == &f) {
+    fast_rest_ = nullptr;  // sealed, partly written: the rest goes first
+  } else {
+    f.sealed = false;
+    f.written = 0;
+  }
   if (failed()) {
     // Nothing will be written: hand it back from the loop, not from
     // inside the caller (an operation must not complete before it waits).
@@ -48,6 +53,48 @@ inline void connection::link_post(frame& f) noexcept {
     return;
   }
   start_write(false);
+}
+
+/// The eager fast path (see the file comment of connection.hpp): one
+/// non-blocking write of the whole frame, copied into the small buffer.
+/// Short of room, nothing or part of it is written; it then goes by
+/// link_post, which the engine calls at once, and the part written stays
+/// written (sealed, at the head of the queue, the rest through io_uring).
+inline bool connection::link_send_now(frame& f) noexcept {
+  const std::size_t total = wire::header_size + f.hdr.length;
+  if (total > small_write || !tx_.empty() || write_inflight_ || write_blocked_ || failed() || !topts_.fast_sends ||
+      f.hdr.type != proto::msg::eager)
+    return false;
+  // One per loop turn: a coroutine that sends on and on yields to the rest
+  // of the loop (its next send suspends) instead of writing until the
+  // socket is full.
+  const std::uint64_t turn = sched().stats().iterations;
+  if (turn == fast_turn_) return false;
+  seal(f);
+  std::memcpy(small_buf_, f.encoded, wire::header_size);
+  if (f.hdr.length != 0) std::memcpy(small_buf_ + wire::header_size, f.payload, f.hdr.length);
+  // MSG_NOSIGNAL: see start_write.
+  const ssize_t r = ::send(fd(), small_buf_, total, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (r == static_cast<ssize_t>(total)) {
+    fast_turn_ = turn;
+    f.sealed = false;
+    ++stats_.writes;
+    ++stats_.fast_sends;
+    ++stats_.frames_out;
+    return true;
+  }
+  // A full socket, or an error the write through link_post reports.
+  write_blocked_ = true;
+  if (r <= 0) {
+    f.sealed = false;
+    --tx_seq_;
+    return false;
+  }
+  ++stats_.writes;
+  ++stats_.fast_short;
+  f.written = static_cast<std::size_t>(r);
+  fast_rest_ = &f;
+  return false;
 }
 
 inline bool connection::link_withdraw(frame& f) noexcept {

@@ -189,6 +189,58 @@ TEST_CASE("in busy_poll, replies sent from a completion go out as direct writes;
   }
 }
 
+TEST_CASE("a small send with nothing queued is written by the send itself, one per loop turn, in both run modes") {
+  tcp_test::watchdog wd(30);
+  for (bool fast : {true, false}) {
+    for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
+      CAPTURE(fast);
+      CAPTURE(static_cast<int>(mode));
+      gdr::scheduler sched({.mode = mode});
+      tcp::endpoint_options opts;
+      opts.fast_sends = fast;
+      gdr::sync_wait(sched, [&]() -> gdr::task<> {
+        auto ab_pair = co_await connected_pair(sched, gdr::default_registry(), opts);
+        auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+        auto& b = ab_pair.second;
+        auto one = pattern(8, 1), two = pattern(448, 2), three = pattern(449, 3);
+        // The first send: nothing queued, a new loop turn. Its co_await
+        // completes without suspending: done before spawn returns.
+        int first = 0, second = 0;
+        tcp_test::spawn([&]() -> gdr::task<> { CHECK(co_await a.send(gdr::host_view(one)) == 8); }, first);
+        CHECK(first == (fast ? 1 : 0));
+        // The second, in the same loop turn: queued and written by the loop.
+        tcp_test::spawn([&]() -> gdr::task<> { CHECK(co_await a.send(gdr::host_view(two)) == 448); }, second);
+        CHECK(second == 0);
+        while (first + second < 2) co_await gdr::nop();
+        CHECK(a.stats().fast_sends == (fast ? 1u : 0u));
+        CHECK(a.last_path() == transfer_path::host_zero_copy);
+        // 449 bytes and the 64-byte header do not fit the 512-byte buffer.
+        co_await gdr::nop();
+        CHECK(co_await a.send(gdr::host_view(three)) == 449);
+        CHECK(a.stats().fast_sends == (fast ? 1u : 0u));
+        co_await gdr::nop();
+        CHECK(co_await a.send(gdr::host_view(two)) == 448);
+        CHECK(a.stats().fast_sends == (fast ? 2u : 0u));
+        CHECK(a.stats().fast_short == 0);
+        CHECK(a.stats().eager_sends == 4);
+        CHECK(a.stats().frames_out >= 4);
+        if (mode == gdr::run_mode::sleep) CHECK(a.stats().direct_writes == 0);
+        for (const auto* want : {&one, &two, &three, &two}) {
+          std::vector<std::byte> in(want->size() + 8);
+          CHECK(co_await b.recv(gdr::host_view(in)) == want->size());
+          CHECK(std::equal(want->begin(), want->end(), in.begin()));
+        }
+        co_await a.close();
+        // After close nothing is written; the send fails as before.
+        CHECK((co_await a.send(gdr::host_view(one)).as_result()).error() == gdr::errc::closed);
+        CHECK(a.stats().fast_sends == (fast ? 2u : 0u));
+        co_await b.close();
+      }());
+      CHECK(sched.inflight() == 0);
+    }
+  }
+}
+
 TEST_CASE("in busy_poll, senders that never wait do not starve the rest of the loop") {
   tcp_test::watchdog wd(30);
   gdr::scheduler sched({.mode = gdr::run_mode::busy_poll});
