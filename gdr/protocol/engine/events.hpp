@@ -243,7 +243,9 @@ inline void engine::on_sent(frame& f, std::error_code ec) noexcept {
     case op::kind::put:
     case op::kind::get:
       // The request is out; the answer completes it. A stop that came
-      // while it was written completes it now.
+      // while it was written completes it now. A put's path is its
+      // request's (payload copied or not), known now.
+      if (!o.result_set_ && o.kind_ == op::kind::put && &f == &o.f1_) o.path_ = link_tx_path();
       if (!o.result_set_ && o.stop_reason_) complete(o, o.stop_reason_);
       break;
     case op::kind::recv: break;  // its rtr

@@ -195,7 +195,9 @@ inline rx_plan engine::rx_answer(const header& h) noexcept {
   }
   if (!get) {
     o->bytes_ = o->size_;
-    o->path_ = link_tx_path();
+    // Set when its request was handed back (on_sent); an answer parsed
+    // before that takes the transport's latest.
+    if (o->path_ == transfer_path::none) o->path_ = link_tx_path();
     complete(*o, {});
     return consumed();
   }

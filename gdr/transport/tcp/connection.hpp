@@ -254,9 +254,10 @@ class connection final : public proto::engine {
   transfer_path link_rx_path(bool direct) const noexcept override {
     return direct ? transfer_path::host_zero_copy : transfer_path::host_eager;
   }
-  transfer_path link_tx_path() const noexcept override {
-    return transfer_path::host_zero_copy;  // from the user's buffer by iovec
-  }
+  /// The path of the frame just handed back by on_sent (or just written by
+  /// link_send_now): copied into `small_buf_` (a small batch, a fast send)
+  /// or written from the user's buffer by iovec.
+  transfer_path link_tx_path() const noexcept override { return tx_path_; }
 
   // ---------------------------------------------------------------- failure
 
@@ -471,6 +472,7 @@ class connection final : public proto::engine {
   iovec iov_small_[iov_inline]{};
   std::unique_ptr<iovec[]> iov_big_;  // 2 * max_batch, once a batch needed more (msg_.msg_iov: the one in use)
   std::byte small_buf_[small_write];  // a small batch, copied (start_write)
+  transfer_path tx_path_ = transfer_path::host_zero_copy;  // link_tx_path
   alignas(8) std::byte rx_small_[rx_inline];  // the first staging buffer (see rx_buf_)
 
   // reader

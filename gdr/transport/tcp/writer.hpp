@@ -77,6 +77,7 @@ inline bool connection::link_send_now(frame& f) noexcept {
   const ssize_t r = ::send(fd(), small_buf_, total, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (r == static_cast<ssize_t>(total)) {
     fast_turn_ = turn;
+    tx_path_ = transfer_path::host_eager;
     f.sealed = false;
     ++stats_.writes;
     ++stats_.fast_sends;
@@ -273,6 +274,9 @@ inline bool connection::batch_done(ssize_t res) noexcept {
       tx_.erase(f);
       f->where = nowhere;
       ++stats_.frames_out;
+      // Copied into small_buf_ (a small batch) or written from its buffer:
+      // the path of the batch that finished it.
+      tx_path_ = small_ ? transfer_path::host_eager : transfer_path::host_zero_copy;
       on_sent(*f, {});
     } else if (failed()) {
       // Failed while it was in the write: it will never go out.

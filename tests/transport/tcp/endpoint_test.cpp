@@ -49,8 +49,8 @@ TEST_CASE("a small message goes from one endpoint to the other over loopback") {
     std::size_t got = co_await std::move(r);
     CHECK(sent == 16);
     CHECK(got == 16);
-    CHECK(a.last_path() == transfer_path::host_zero_copy);  // iovec from the user's buffer
-    CHECK(b.last_path() == transfer_path::host_eager);      // small: through the staging buffer
+    CHECK(a.last_path() == transfer_path::host_eager);  // small: copied into one buffer with its header
+    CHECK(b.last_path() == transfer_path::host_eager);  // small: through the staging buffer
     CHECK(a.stats().sends == 1);
     CHECK(a.stats().bytes_sent == 16);
     CHECK(b.stats().recvs == 1);
@@ -60,6 +60,37 @@ TEST_CASE("a small message goes from one endpoint to the other over loopback") {
   }());
   CHECK(in == out);
   CHECK(sched.inflight() == 0);
+}
+
+TEST_CASE("a send's path says whether gdr copied it: small ones into one buffer, larger ones from the user's") {
+  tcp_test::watchdog wd(30);
+  for (bool fast : {true, false}) {
+    CAPTURE(fast);
+    gdr::scheduler sched;
+    gdr::tcp::endpoint_options opts;
+    opts.fast_sends = fast;
+    gdr::sync_wait(sched, [&]() -> gdr::task<> {
+      auto ab_pair = co_await connected_pair(sched, gdr::default_registry(), opts);
+      auto& a = ab_pair.first;  // (clang 14 cannot capture structured bindings)
+      auto& b = ab_pair.second;
+      std::vector<std::byte> small(448, std::byte{5}), large(4096, std::byte{6}), in(4096);
+      for (int round = 0; round < 3; ++round) {
+        auto rs = b.recv(gdr::host_view(in));
+        auto s1 = co_await a.send(gdr::host_view(small)).report();
+        CHECK(s1.path == transfer_path::host_eager);  // header and payload copied into the 512-byte buffer
+        CHECK(co_await std::move(rs) == small.size());
+        auto rl = b.recv(gdr::host_view(in));
+        auto s2 = co_await a.send(gdr::host_view(large)).report();
+        CHECK(s2.path == transfer_path::host_zero_copy);  // written from `large` by iovec
+        CHECK(co_await std::move(rl) == large.size());
+        CHECK(in == large);
+      }
+      CHECK(a.stats().on_path(transfer_path::host_eager) == 3);
+      CHECK(a.stats().on_path(transfer_path::host_zero_copy) == 3);
+      co_await a.close();
+      co_await b.close();
+    }());
+  }
 }
 
 TEST_CASE("a message sent before its receive is posted is kept and delivered") {
@@ -213,7 +244,7 @@ TEST_CASE("a small send with nothing queued is written by the send itself, one p
         CHECK(second == 0);
         while (first + second < 2) co_await gdr::nop();
         CHECK(a.stats().fast_sends == (fast ? 1u : 0u));
-        CHECK(a.last_path() == transfer_path::host_zero_copy);
+        CHECK(a.last_path() == transfer_path::host_eager);  // both copied into the small buffer
         // 449 bytes and the 64-byte header do not fit the 512-byte buffer.
         co_await gdr::nop();
         CHECK(co_await a.send(gdr::host_view(three)) == 449);
