@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 bench=${1:-$here/bazel-bin/benchmarks/verbs/verbs_bench}
 reps=${2:-3}
 bench=$(readlink -f "$bench")
-[[ -x $bench ]] || { echo "gpudirect.sh: no benchmark at $bench (./bazelw build -c opt //benchmarks/verbs:verbs_bench)" >&2; exit 2; }
+[[ -x $bench ]] || { echo "gpudirect.sh: no benchmark at $bench (./bazelw build -c opt //benchmarks:verbs/verbs_bench)" >&2; exit 2; }
 out=$(mktemp -d /var/tmp/gdr-verbs-gd.XXXXXX)
 cat >"$out/guest.sh" <<'GUEST'
 #!/bin/bash

@@ -19,7 +19,7 @@ reps=${2:-3}
 window=${3:-${WINDOW:-128}}
 [[ $window =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: WINDOW must be a positive number, not '$window'" >&2; exit 2; }
 bench=$(readlink -f "$bench")
-[[ -x $bench ]] || { echo "run.sh: no benchmark at $bench (./bazelw build -c opt //benchmarks/verbs:verbs_bench)" >&2; exit 2; }
+[[ -x $bench ]] || { echo "run.sh: no benchmark at $bench (./bazelw build -c opt //benchmarks:verbs/verbs_bench)" >&2; exit 2; }
 out=$(mktemp -d /var/tmp/gdr-verbs-bench.XXXXXX)
 cat >"$out/guest.sh" <<'GUEST'
 #!/bin/bash
