@@ -385,7 +385,7 @@ class engine {
 
   void release_target(const target& t) noexcept;
   /// Target `t`'s bytes are in place (on_placed's work, for a deferred one too).
-  void placed(target t, bool direct) noexcept;
+  void placed(const target& t, bool direct) noexcept;
 
   // ---------------------------------------------------------------- receiving
 

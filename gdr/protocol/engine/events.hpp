@@ -87,7 +87,11 @@ inline rx_plan engine::on_header(const header& h) noexcept {
   return fail_plan();
 }
 
-inline void engine::on_placed(bool direct) noexcept { placed(std::exchange(cur_, target{}), direct); }
+inline void engine::on_placed(bool direct) noexcept {
+  const target t = cur_;
+  cur_.kind = target::none;  // (what reads cur_ looks at its kind first)
+  placed(t, direct);
+}
 
 inline std::uint32_t engine::defer_placement() noexcept {
   // Only a placement whose completion no later frame's handling depends
@@ -120,7 +124,7 @@ inline void engine::on_deferred_placed(std::uint32_t ticket, bool ok, bool direc
   else release_target(t);
 }
 
-inline void engine::placed(target t, bool direct) noexcept {
+inline void engine::placed(const target& t, bool direct) noexcept {
   switch (t.kind) {
     case target::none:
     case target::discard: return;
