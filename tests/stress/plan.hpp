@@ -25,7 +25,7 @@ namespace stress {
 
 using namespace std::chrono_literals;
 
-enum class transport_kind : std::uint8_t { loopback, tcp, tcp_kill, verbs, shm, shm_kill, shm_ipc };
+enum class transport_kind : std::uint8_t { loopback, tcp, tcp_kill, verbs, shm, shm_kill, shm_ipc, tcp_tight };
 inline const char* to_string(transport_kind t) noexcept {
   switch (t) {
     case transport_kind::loopback: return "loopback";
@@ -35,6 +35,7 @@ inline const char* to_string(transport_kind t) noexcept {
     case transport_kind::shm: return "shm";
     case transport_kind::shm_kill: return "shm-kill";
     case transport_kind::shm_ipc: return "shm-ipc";
+    case transport_kind::tcp_tight: return "tcp-tight";
   }
   return "?";
 }

@@ -35,6 +35,7 @@ inline bool run_and_print(const run_config& c) {
   switch (c.transport) {
     case transport_kind::loopback: fs = run_in_process<loopback_fixture>(c); break;
     case transport_kind::tcp: fs = run_in_process<tcp_fixture>(c); break;
+    case transport_kind::tcp_tight: fs = run_in_process<tcp_tight_fixture>(c); break;
     case transport_kind::tcp_kill: fs = run_kill<tcp_net>(c); break;
     case transport_kind::shm: fs = run_in_process<shm_fixture>(c); break;
     case transport_kind::shm_kill: fs = run_kill<shm_net>(c); break;

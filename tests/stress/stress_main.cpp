@@ -9,9 +9,10 @@
 //   stress --time SECONDS [--seeds A:] ...
 //       consecutive seeds from A (default 1) until the time is up.
 //
-// T: loopback | tcp | tcp-kill | shm | shm-kill | all (those five; verbs in
-// a build with STRESS_VERBS=1). M: busy | sleep | all. Exit status 0 when
-// every run passed.
+// T: loopback | tcp | tcp-tight | tcp-kill | shm | shm-kill | shm-ipc | all
+// (those seven; verbs in a build with STRESS_VERBS=1). tcp-tight is tcp with
+// socket buffers of a few KiB (short writes). M: busy | sleep | all. Exit
+// status 0 when every run passed.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -30,7 +31,7 @@ using namespace stress;
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "stress: %s\nusage: stress (--seed S | --seeds A:B | --time SECONDS [--seeds A:]) "
-               "[--transport loopback|tcp|tcp-kill|shm|shm-kill|all] [--mode busy|sleep|all] [--jobs J] [--log] [-v]\n",
+               "[--transport loopback|tcp|tcp-tight|tcp-kill|shm|shm-kill|shm-ipc|all] [--mode busy|sleep|all] [--jobs J] [--log] [-v]\n",
                why);
   std::exit(2);
 }
@@ -38,14 +39,16 @@ using namespace stress;
 std::vector<transport_kind> transports_of(const std::string& s) {
   if (s == "loopback") return {transport_kind::loopback};
   if (s == "tcp") return {transport_kind::tcp};
+  if (s == "tcp-tight") return {transport_kind::tcp_tight};
   if (s == "tcp-kill") return {transport_kind::tcp_kill};
   if (s == "verbs") return {transport_kind::verbs};
   if (s == "shm") return {transport_kind::shm};
   if (s == "shm-kill") return {transport_kind::shm_kill};
   if (s == "shm-ipc") return {transport_kind::shm_ipc};
   if (s == "all") {
-    std::vector<transport_kind> v{transport_kind::loopback, transport_kind::tcp, transport_kind::tcp_kill,
-                                  transport_kind::shm, transport_kind::shm_kill, transport_kind::shm_ipc};
+    std::vector<transport_kind> v{transport_kind::loopback, transport_kind::tcp,      transport_kind::tcp_tight,
+                                  transport_kind::tcp_kill, transport_kind::shm,      transport_kind::shm_kill,
+                                  transport_kind::shm_ipc};
     if (STRESS_VERBS) v.push_back(transport_kind::verbs);
     return v;
   }
