@@ -10,6 +10,10 @@
 # operations in flight of every bandwidth measurement: gdr's sliding window,
 # and perftest's -t. The guest comes from tools/rxe/run-in-rxe-vm.sh. Prints
 # each measurement, then a table of medians and ratios (gdr / perftest).
+# LAT_ITERS (default 1000) is the iterations of every latency measurement
+# (gdr's and perftest's -n): 1000 is 20-40 ms under emulation, where one
+# slow moment of the host moves a whole sample; 20000 gives steadier
+# medians. LAT_ONLY=1 measures the latency rows alone.
 # What each latency is (one-way for send and write/put, a round trip for
 # read/get) is written in verbs_bench.cpp's header.
 set -euo pipefail
@@ -23,23 +27,25 @@ bench=$(readlink -f "$bench")
 out=$(mktemp -d /var/tmp/gdr-verbs-bench.XXXXXX)
 cat >"$out/guest.sh" <<'GUEST'
 #!/bin/bash
-# In the guest: $1 = benchmark, $2 = repetitions, $3 = window, $4 = the repository.
-B=$1; R=$2; W=$3; IP=$RXEVM_IP
+# In the guest: $1 = benchmark, $2 = repetitions, $3 = window, $4 = the repository,
+# $5 = latency iterations, $6 = 1: latency rows only.
+B=$1; R=$2; W=$3; IP=$RXEVM_IP; N=$5; LAT_ONLY=$6
 source "$4/benchmarks/verbs/perftest_pair.sh"
 lat() { awk -v s=$1 '$1 == s {print "typical_us=" $5 " avg_us=" $6}'; }
 bw() { awk -v s=$1 '$1 == s {print "MBps=" $4}'; }
 for r in $(seq 1 $R); do
   echo "# repetition $r"
-  timeout 60 $B $IP send_lat 8 1000
-  echo "ib_send_lat $(pt ib_send_lat -s 8 -n 1000 | lat 8)"
-  timeout 60 $B $IP put_lat 8 1000
-  echo "ib_write_lat $(pt ib_write_lat -s 8 -n 1000 | lat 8)"
-  timeout 60 $B $IP get_lat 8 1000
-  echo "ib_read_lat $(pt ib_read_lat -s 8 -n 1000 | lat 8)"
-  timeout 60 $B $IP atomic_lat 8 1000
-  echo "ib_atomic_lat $(pt ib_atomic_lat -n 1000 | lat 8)"
-  GDR_BENCH_CHECKED=1 timeout 60 $B $IP put_lat 8 1000
-  GDR_BENCH_CHECKED=1 timeout 60 $B $IP atomic_lat 8 1000
+  timeout 60 $B $IP send_lat 8 $N
+  echo "ib_send_lat $(pt ib_send_lat -s 8 -n $N | lat 8)"
+  timeout 60 $B $IP put_lat 8 $N
+  echo "ib_write_lat $(pt ib_write_lat -s 8 -n $N | lat 8)"
+  timeout 60 $B $IP get_lat 8 $N
+  echo "ib_read_lat $(pt ib_read_lat -s 8 -n $N | lat 8)"
+  timeout 60 $B $IP atomic_lat 8 $N
+  echo "ib_atomic_lat $(pt ib_atomic_lat -n $N | lat 8)"
+  GDR_BENCH_CHECKED=1 timeout 60 $B $IP put_lat 8 $N
+  GDR_BENCH_CHECKED=1 timeout 60 $B $IP atomic_lat 8 $N
+  [[ $LAT_ONLY == 1 ]] && continue
   timeout 120 $B $IP send_bw 65536 2000 $W
   echo "ib_write_bw $(pt ib_write_bw -s 65536 -n 2000 -t $W | bw 65536)"
   timeout 120 $B $IP put_bw 65536 2000 $W
@@ -53,7 +59,7 @@ for r in $(seq 1 $R); do
 done
 GUEST
 chmod +x "$out/guest.sh"
-"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1800 -- "$out/guest.sh" "$bench" "$reps" "$window" "$here" | tee "$out/raw.txt"
+"$here/tools/rxe/run-in-rxe-vm.sh" --timeout 1800 -- "$out/guest.sh" "$bench" "$reps" "$window" "$here" "${LAT_ITERS:-1000}" "${LAT_ONLY:-0}" | tee "$out/raw.txt"
 python3 - "$out/raw.txt" "$window" <<'PY'
 import re, statistics, sys
 window = sys.argv[2]
@@ -88,6 +94,13 @@ row(f"bandwidth, 64 KiB get vs ib_read_bw -R, {window} in flight", 'gdr_get_bw',
 row(f"bandwidth, 64 KiB put vs ib_write_bw, {window} in flight", 'gdr_put_bw', 'ib_write_bw', 'MiB/s', '>= 0.95x', True)
 row(f"bandwidth, 64 KiB put, checked mode (served) vs ib_write_bw -R", 'checked_put_bw', 'ib_write_bw_R', 'MiB/s', '(kept beside)', True)
 row("bandwidth, batches of 512 blocks of 16 KiB (put_batch, one at a time) vs ib_write_bw -s 16384", 'gdr_batch_bw', 'ib_write_bw_16k', 'MiB/s', '>= 0.9x', True)
+# Latency also as the median of each repetition's own ratio: both tools
+# of one repetition ran back to back, so a slow stretch of the host moves both.
+for g, p in (('gdr_send_lat', 'ib_send_lat'), ('gdr_put_lat', 'ib_write_lat'), ('gdr_get_lat', 'ib_read_lat'),
+             ('gdr_atomic_lat', 'ib_atomic_lat')):
+    if vals.get(g) and vals.get(p):
+        pr = [a / b for a, b in zip(vals[g], vals[p])]
+        print(f"paired {g} / {p}: median {statistics.median(pr):.3f} ({' '.join(f'{x:.2f}' for x in pr)})")
 print("samples:", {k: v for k, v in vals.items()})
 PY
 rm -rf "$out"
