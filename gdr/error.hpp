@@ -87,13 +87,14 @@ class gdr_category_impl final : public std::error_category {
   }
 };
 
+/// Constant-initialised: no guard to test on each use (error codes are
+/// made on every operation's path).
+inline constinit const gdr_category_impl gdr_category_instance{};
+
 }  // namespace detail
 
 /// The category of `gdr::errc` values.
-inline const std::error_category& gdr_category() noexcept {
-  static const detail::gdr_category_impl instance;
-  return instance;
-}
+inline const std::error_category& gdr_category() noexcept { return detail::gdr_category_instance; }
 
 /// Makes `std::error_code ec = gdr::errc::timed_out;` work.
 inline std::error_code make_error_code(errc e) noexcept {
