@@ -55,13 +55,13 @@ class cuda_category_impl final : public std::error_category {
   }
 };
 
+/// Constant-initialised, as gdr_category's (no guard on each error code).
+inline constinit const cuda_category_impl cuda_category_instance{};
+
 }  // namespace detail
 
 /// The category of `cudaError_t` values.
-inline const std::error_category& cuda_category() noexcept {
-  static const detail::cuda_category_impl instance;
-  return instance;
-}
+inline const std::error_category& cuda_category() noexcept { return detail::cuda_category_instance; }
 
 /// A `cudaError_t` as an error code (`cudaSuccess` gives no error).
 inline std::error_code make_error_code(cudaError_t e) noexcept {
