@@ -23,6 +23,14 @@ inline bool ext_arg_masked_by_env() noexcept {
   }();
   return masked;
 }
+/// `GDR_SCHED_ANY_THREAD=1` in the environment (see `scheduler_options::single_thread`).
+inline bool any_thread_by_env() noexcept {
+  static const bool any = [] {
+    const char* v = std::getenv("GDR_SCHED_ANY_THREAD");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return any;
+}
 }  // namespace detail
 
 /// Construction options of a scheduler.
@@ -36,15 +44,28 @@ struct scheduler_options {
   bool msg_ring_wakeups = true;
   /// How long the destructor runs the loop to finish operations still in
   /// flight before it gives up on them (see "Teardown" in
-  /// gdr/sched/scheduler.hpp).
+  /// docs/SCHEDULER.md).
   std::chrono::milliseconds teardown_timeout{5000};
   /// Bounded sleeps pass their bound to `io_uring_enter` when the kernel has
   /// `IORING_FEAT_EXT_ARG` (Linux 5.11). False: the scheduler behaves as on an
   /// older kernel (liburing bounds the sleep with a timeout SQE; see "Bounded
-  /// sleeps on kernels before 5.11" in gdr/sched/scheduler.hpp), for tests of
+  /// sleeps on kernels before 5.11" in docs/SCHEDULER.md), for tests of
   /// that path. The default is false when the environment has `GDR_MASK_EXT_ARG=1`
   /// (read once per process), so a whole test binary can run that way.
   bool ext_arg = !detail::ext_arg_masked_by_env();
+  /// The loop runs on one thread: the first that runs it (`run_once`,
+  /// `run_until`, `sync_wait`). The ring is then made with
+  /// `IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN` (Linux 6.1),
+  /// so the kernel keeps completion work for that thread's next wait instead
+  /// of interrupting it: a sleeping loop wakes faster (benchmarks/RESULTS.md).
+  /// Running the loop on another thread afterwards throws `gdr::error`
+  /// (`errc::unsupported`); a scheduler may still be made on one thread,
+  /// run on another and destroyed on the first (see "One thread per ring" in
+  /// docs/SCHEDULER.md). False: any thread may run the loop, one at a
+  /// time. On kernels without these flags the choice makes no difference.
+  /// The default is false when the environment has `GDR_SCHED_ANY_THREAD=1`
+  /// (read once per process), so a whole test binary can run that way.
+  bool single_thread = !detail::any_thread_by_env();
 };
 
 /// Counters a scheduler keeps; cheap, for tests and benchmarks.

@@ -1,114 +1,36 @@
 /// \file
 /// `gdr::scheduler`: one event loop per thread, built on io_uring.
 ///
-/// How it works
+/// How it works (the whole design, by section: docs/SCHEDULER.md)
 /// ============
 /// Threads. A scheduler belongs to the thread that runs it (`run_until`,
-/// `run_once`, `sync_wait`). Everything that touches the ring, the pollers and
-/// the operations happens on that thread. The only entry points safe from other
-/// threads are `post()` (and what is built on it: `schedule()`, cross-thread
-/// cancellation) and `wake()`.
+/// `run_once`, `sync_wait`); everything that touches the ring, the pollers
+/// and the operations happens there. Only `post()` (and `schedule()`,
+/// cross-thread cancellation, built on it) and `wake()` are safe from other
+/// threads. With `scheduler_options::single_thread` (the default) the ring
+/// is bound to the first thread that runs the loop (SINGLE_ISSUER,
+/// DEFER_TASKRUN: "One thread per ring").
 ///
-/// Queues. There are three:
-///   1. the io_uring submission queue: operations prepare SQEs with `get_sqe()`;
-///      nothing enters the kernel until the loop submits, so SQEs prepared by
-///      many coroutines in one iteration go in one `io_uring_enter` (a syscall
-///      costs ~1.2 us here, a NOP ~90 ns in batches of 32: batching matters);
-///   2. the io_uring completion queue: each CQE's `user_data` is the address of
-///      an `operation`, whose `complete` function pointer resumes its coroutine;
-///   3. the remote queue: a lock-free intrusive stack of `remote_work` nodes
-///      pushed by other threads, drained (in posting order) once per iteration.
-/// Other completion sources (CUDA events, RDMA CQs, the sockets of TCP
-/// endpoints while the loop busy-polls) are `poller`s, polled once per
-/// iteration after the CQ.
+/// Queues: the io_uring SQ (operations prepare SQEs with `get_sqe()`; one
+/// `io_uring_enter` per iteration submits them all), the CQ (each CQE's
+/// `user_data` is an `operation` whose `complete` resumes its coroutine), and
+/// the remote queue (a lock-free stack other threads push onto, drained in
+/// posting order once per iteration). Other completion sources (CUDA events,
+/// RDMA CQs, TCP sockets while the loop busy-polls) are `poller`s.
 ///
-/// One iteration (`run_once`): send what was kept for want of an SQE (the
-/// eventfd read, cancels: see "Cancellation"); drain the remote queue; reap
-/// every available CQE (copied out, CQ advanced, then dispatched, so a
-/// completion handler may prepare new SQEs freely); poll each poller; then,
-/// if nothing did work and the mode is `sleep`, submit and block in
-/// `io_uring_enter` until a CQE arrives or the shortest poller bound elapses;
-/// otherwise submit without waiting.
-///
-/// Bounded sleeps on kernels before 5.11. The bound goes to `io_uring_enter`
-/// itself where the kernel has `IORING_FEAT_EXT_ARG` (Linux 5.11). Without it,
-/// liburing's `io_uring_submit_and_wait_timeout` queues a timeout SQE of its
-/// own, tagged `LIBURING_UDATA_TIMEOUT` (all ones), and consumes its CQE only
-/// when that CQE is the first one it finds; behind another completion it is
-/// reaped here, and `dispatch` drops it (it is no operation, and all ones would
-/// otherwise read as a MSG_RING completion). `scheduler_options::ext_arg` =
-/// false (or `GDR_MASK_EXT_ARG=1` in the environment) makes a scheduler take
-/// that path on any kernel; the scheduler's tests run a second time so.
-///
-/// Sleeping and waking. In `busy_poll` mode the loop never blocks (lowest
-/// latency, one core spent). In `sleep` mode it blocks in the kernel. Another
-/// thread wakes it by posting: it pushes a node, then, if the loop says it is
-/// asleep, sends a message to the ring: `IORING_OP_MSG_RING` when the poster runs
-/// a scheduler of its own (fastest, 2.9-3.8 us), else a write to an eventfd the
-/// ring always has a read pending on. The "asleep" flag and the queue are both
-/// sequentially consistent, so a push racing with the loop going to sleep is
-/// seen by one side or the other (Dekker).
-///
-/// The eventfd read is armed again from its own completion. If no SQE can be
-/// had then (the SQ is full and the kernel refuses to take it), it is kept, as
-/// a cancel is (below), and armed at the start of the next iteration; until
-/// it is, the loop does not sleep, since an eventfd write would not wake it.
-///
-/// A wake-up is never lost to MSG_RING. Whether the kernel has it (Linux 5.18)
-/// is probed once per process; without it, or with
-/// `scheduler_options::msg_ring_wakeups` off, posters write the eventfd. The
-/// message's own completion comes back to the poster's ring, and one that
-/// carries an error (the target's CQ could not take it, an old or restricted
-/// kernel) is delivered through the eventfd instead. That completion may be
-/// reaped after the target is gone, so the eventfd is not the target's alone:
-/// it lives in a reference-counted `detail::wake_channel` that each message in
-/// flight holds; the target's destructor drops its own reference, and the last
-/// message to complete closes the descriptor. A late fallback therefore writes
-/// an eventfd nobody reads, never a descriptor number reused by someone else.
-///
-/// Cancellation. `cancel(op)` queues an `IORING_OP_ASYNC_CANCEL`. If no SQE can
-/// be had (the SQ is full and the kernel refuses to take it: EAGAIN, EBUSY),
-/// the request waits in a pending list and goes into the SQ at the start of the
-/// next iteration; a stopped operation never waits forever for a cancel that
-/// was dropped. A pending cancel whose operation completes first is forgotten,
-/// so it can never reach a new operation at the same address. A cancel asked
-/// for while its operation's final CQE waits, not yet dispatched, in the batch
-/// being dispatched is not kept, for the same reason; CQEs already dispatched
-/// do not count (their operation may have been followed by a new one at the
-/// same address, which the cancel is for).
-///
-/// Ownership. The scheduler owns the ring, the eventfd (shared with wake-up
-/// messages in flight, above) and the remote queue's head. Operations are owned
-/// by their coroutines (they live in coroutine frames); an operation must
-/// outlive its last completion, which is why a cancelled operation still waits
-/// for its CQE before its coroutine resumes. Pollers are owned by whoever added
-/// them.
-///
-/// Teardown. The destructor finishes what is in flight: it runs the loop on
-/// the destroying thread (bound as that thread's current scheduler) until no
-/// operation, posted work or wake-up message is outstanding, for at most
-/// `scheduler_options::teardown_timeout`. So a program may simply end:
-/// endpoints dropped without `close()` abort their connections, and in the
-/// scheduler's destructor the kernel returns the connections' buffers and
-/// they free themselves (sockets and memory). A dropped endpoint counts as
-/// in flight until it has freed itself, also where what it waits for comes
-/// through a poller (an RDMA device's flushed requests, a copy).
-/// What is still in flight after the bound (an operation nothing will
-/// complete: a coroutine suspended on a pipe nobody writes, an endpoint still
-/// alive) is reported in one line on stderr and abandoned: its coroutine never
-/// resumes and what it owns is leaked. The stop callbacks of operations still
-/// pending then (abandoned, or waiting for something other than a CQE) are
-/// destroyed, through the `detail::stop_hook` each links into the scheduler
-/// while its callbacks are registered: a stop requested later (a
-/// `task_scope::request_stop` on the way out) calls nothing, where it would
-/// post to the freed scheduler. Objects bound to a scheduler
-/// (endpoints, listeners' accepts, pollers) must be destroyed before it; an
-/// endpoint that outlives its scheduler is leaked when destroyed (its
-/// connection waits for a completion that cannot come) and must not be used.
+/// One iteration (`run_once`): what waited for an SQE (the eventfd read,
+/// cancels); the remote queue; every CQE (copied out and the CQ advanced
+/// before dispatch); each poller; then, if nothing did work in `sleep` mode,
+/// submit and block until a CQE or the shortest poller bound, else submit.
+/// Another thread wakes a sleeping loop with `IORING_OP_MSG_RING` or an
+/// eventfd write ("Sleeping and waking", "A wake-up is never lost");
+/// "Cancellation", "Ownership" and "Teardown" say what happens to
+/// operations stopped, in flight, and left when the scheduler ends.
 #pragma once
 
 #include <liburing.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -151,7 +73,7 @@ inline thread_local scheduler* current_scheduler = nullptr;
 struct scheduler_testing;
 }  // namespace detail
 
-/// An io_uring event loop. See the file comment for the design.
+/// An io_uring event loop. See the file comment and docs/SCHEDULER.md.
 ///
 /// Thread-safety: only `post`, `wake` and `schedule` may be used from other
 /// threads; all else on the thread that runs the loop.
@@ -160,17 +82,25 @@ class scheduler {
   /// Creates the ring. Throws `gdr::error` (with the errno from
   /// `io_uring_queue_init`) when io_uring is unavailable, `std::bad_alloc`.
   explicit scheduler(scheduler_options opts = {}) : mode_(opts.mode), teardown_timeout_(opts.teardown_timeout) {
-    io_uring_params p{};
-    // COOP_TASKRUN: completions are delivered at the next kernel entry instead of
-    // interrupting the thread; TASKRUN_FLAG tells liburing when such an entry is
-    // due, so polling the CQ from user space still sees them.
-    p.flags = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
-    int rc = io_uring_queue_init_params(opts.sq_entries, &ring_, &p);
-    if (rc == -EINVAL) {  // older kernel: plain ring
-      p = io_uring_params{};
+    // DEFER_TASKRUN (with SINGLE_ISSUER, which it needs; R_DISABLED so that
+    // the loop's thread, not this one, becomes the issuer): completion work
+    // waits for the issuer's next kernel entry. COOP_TASKRUN, where that is
+    // refused: it is delivered at the next entry of any kind instead of
+    // interrupting the thread. TASKRUN_FLAG with either tells the loop when
+    // such an entry is due, so polling the CQ from user space still sees
+    // them (reap). An older kernel refuses both: a plain ring.
+    constexpr unsigned coop = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
+    constexpr unsigned bound = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG |
+                               IORING_SETUP_R_DISABLED;
+    int rc = -EINVAL;
+    for (unsigned flags : {opts.single_thread ? bound : coop, coop, 0u}) {
+      io_uring_params p{};
+      p.flags = flags;
       rc = io_uring_queue_init_params(opts.sq_entries, &ring_, &p);
+      if (rc != -EINVAL) break;
     }
     if (rc < 0) throw error(errno_code(-rc), "io_uring_queue_init");
+    bound_ = (ring_.flags & IORING_SETUP_R_DISABLED) != 0;
     // liburing reads the features the kernel reported from the ring, in the
     // wait with a timeout and in its CQ peeks: clearing the bit here is what
     // an older kernel looks like to both.
@@ -210,11 +140,16 @@ class scheduler {
   /// Finishes what is in flight, then destroys the ring: runs the loop on
   /// this thread until no operation, posted work or wake-up message is
   /// outstanding, for at most `scheduler_options::teardown_timeout`; what is
-  /// left then is reported on stderr and abandoned (see "Teardown" in the
-  /// file comment). Not from inside this scheduler's own loop. Other threads
+  /// left then is reported on stderr and abandoned (see "Teardown" in
+  /// docs/SCHEDULER.md; on another thread than a bound ring's, "One thread
+  /// per ring"). Not from inside this scheduler's own loop. Other threads
   /// must have stopped posting to it, as for any object being destroyed.
   ~scheduler() {
-    finish_inflight();
+    if (loop_thread()) {
+      finish_inflight();
+    } else {
+      finish_elsewhere();
+    }
     drop_stop_hooks();
     *alive_ = false;
     tsan_ring_handoff(false);
@@ -256,7 +191,7 @@ class scheduler {
 
   /// Whether this scheduler still exists, for an object that may outlive
   /// it by misuse (an endpoint destroyed after its scheduler must touch
-  /// nothing of it: see "Teardown" in the file comment). False once the
+  /// nothing of it: see "Teardown" in docs/SCHEDULER.md). False once the
   /// destructor has finished the loop. Copied by such objects when made.
   std::shared_ptr<const bool> alive_flag() const noexcept { return alive_; }
 
@@ -277,7 +212,7 @@ class scheduler {
   /// Asks the kernel to cancel the operation `op` (async cancel). Its
   /// completion still arrives, with -ECANCELED unless it finished first.
   /// Never dropped: without a free SQE the request waits for the next
-  /// iteration (see "Cancellation" in the file comment). `op` must be in
+  /// iteration (see "Cancellation" in docs/SCHEDULER.md). `op` must be in
   /// flight. Loop thread only.
   void cancel(operation* op) noexcept {
     io_uring_sqe* sqe = get_sqe();
@@ -409,7 +344,7 @@ class scheduler {
 
   // ---------------------------------------------------------------- running
 
-  /// One loop iteration (see the file comment). `may_block` permits sleeping
+  /// One loop iteration (see "One iteration" in docs/SCHEDULER.md). `may_block` permits sleeping
   /// in sleep mode. Returns true if any work was done.
   bool run_once(bool may_block = true) { return iterate(may_block, std::chrono::nanoseconds::max()); }
 
@@ -446,6 +381,7 @@ class scheduler {
 
   // run_once, with sleeps no longer than `cap` (the destructor's deadline).
   bool iterate(bool may_block, std::chrono::nanoseconds cap) {
+    if (GDR_UNLIKELY(bound_ && owner_ != &detail::current_scheduler)) claim_ring();
     binding bind(this);
     ++stats_.iterations;
     if (GDR_UNLIKELY(!pending_cancels_.empty() || !wake_armed_)) flush_kept();
@@ -476,7 +412,30 @@ class scheduler {
     return inflight_ == 0 && messages_inflight_ == 0 && remote_head_.load() == nullptr;
   }
 
-  // The destructor's loop (see "Teardown" in the file comment).
+  // Whether this thread may enter the ring: any thread unless it is bound
+  // to one (single_thread), and then the one it is bound to, or any while it
+  // is not bound yet. `&current_scheduler` is the thread's address for this.
+  bool loop_thread() const noexcept {
+    return !bound_ || owner_ == nullptr || owner_ == &detail::current_scheduler;
+  }
+
+  // The first iteration of a single-thread ring binds it to its thread (the
+  // kernel takes submissions from this thread only, from now on); a later
+  // one on another thread is refused.
+  [[gnu::noinline]] void claim_ring() {
+    if (owner_ != nullptr)
+      throw error(make_error_code(errc::unsupported),
+                  "gdr::scheduler: run on a thread other than the one that first ran it; its ring "
+                  "is bound to that thread (scheduler_options::single_thread = false lets any "
+                  "thread run it)");
+    // The system call itself: liburing 2.3's shared library does not export
+    // io_uring_enable_rings.
+    if (::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0) != 0)
+      throw error(errno_code(errno), "io_uring_register(IORING_REGISTER_ENABLE_RINGS)");
+    owner_ = &detail::current_scheduler;
+  }
+
+  // The destructor's loop (see "Teardown" in docs/SCHEDULER.md).
   void finish_inflight() noexcept {
     using clock = std::chrono::steady_clock;
     if (quiescent()) return;
@@ -495,9 +454,32 @@ class scheduler {
                 inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
   }
 
+  // The destructor on a thread other than the one its ring is bound to: no
+  // kernel entry from here, so only what reaches the CQ without one is
+  // reaped, for at most the teardown bound (see "One thread per ring" in
+  // docs/SCHEDULER.md).
+  void finish_elsewhere() noexcept {
+    using clock = std::chrono::steady_clock;
+    if (quiescent()) return;
+    const clock::time_point deadline = clock::now() + teardown_timeout_;
+    binding bind(this);
+    while (!quiescent() && clock::now() < deadline) {
+      bool worked = drain_remote();
+      worked |= reap(false);
+      for (std::size_t i = 0; i < pollers_.size(); ++i) worked |= pollers_[i]->poll().did_work;
+      if (!worked) std::this_thread::yield();
+    }
+    if (quiescent()) return;
+    gdr::detail::log("scheduler",
+                "destroyed on a thread other than the one that ran its loop, with %zu operation(s) "
+                "still in flight after %lld ms; abandoning them (their coroutines will not resume, "
+                "what they hold is leaked; single_thread binds the ring to the loop's thread)",
+                inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
+  }
+
   // The destructor, after finish_inflight: the operations still pending will
   // never complete here; their stop callbacks must not reach this scheduler
-  // (see "Teardown" in the file comment).
+  // (see "Teardown" in docs/SCHEDULER.md).
   void drop_stop_hooks() noexcept {
     while (stop_hooks_.next != &stop_hooks_) {
       detail::stop_hook* h = stop_hooks_.next;
@@ -627,8 +609,8 @@ class scheduler {
     io_uring_sqe* sqe = get_sqe();
     if (GDR_UNLIKELY(sqe == nullptr)) {
       // The SQ is full and the kernel refuses it: armed by flush_kept at the
-      // start of the next iteration (see "The eventfd read is armed again" in
-      // the file comment). A wake-up written meanwhile stays in the eventfd's
+      // start of the next iteration ("Sleeping and waking" in
+      // docs/SCHEDULER.md). A wake-up written meanwhile stays in the eventfd's
       // count, and the read armed later returns it at once.
       if (wake_armed_) ++stats_.wake_reads_deferred;
       wake_armed_ = false;
@@ -660,18 +642,19 @@ class scheduler {
     return true;
   }
 
-  bool reap() noexcept {
+  // `may_enter` false: what is in the CQ only (finish_elsewhere).
+  bool reap(bool may_enter = true) noexcept {
     constexpr unsigned batch = 64;
     bool worked = false;
     for (;;) {
       unsigned n = io_uring_cq_ready(&ring_);
       if (n == 0) {
         // Completions can be held in the kernel until its next entry (task
-        // work under COOP_TASKRUN, or an overflowed CQ); the kernel says so in
+        // work under DEFER_ or COOP_TASKRUN, or an overflowed CQ); the kernel says so in
         // the SQ ring's flags. This is what io_uring_peek_batch_cqe checks,
         // inlined: that call was a tenth of the loop's own instructions per
         // NOP (benchmarks/RESULTS.md, (a)).
-        if (!(IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_CQ_OVERFLOW | IORING_SQ_TASKRUN))) break;
+        if (!may_enter || !(IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_CQ_OVERFLOW | IORING_SQ_TASKRUN))) break;
         io_uring_get_events(&ring_);
         n = io_uring_cq_ready(&ring_);
         if (n == 0) break;
@@ -744,6 +727,10 @@ class scheduler {
   }
 
   io_uring ring_{};
+  // single_thread: the ring is bound to one thread, `owner_` (the address of
+  // its `current_scheduler`), null until the first iteration enables it.
+  bool bound_ = false;
+  const void* owner_ = nullptr;
   run_mode mode_;
   std::chrono::milliseconds teardown_timeout_;
   detail::wake_channel* channel_ = nullptr;  // our eventfd; one reference is ours

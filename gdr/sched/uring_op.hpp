@@ -9,7 +9,7 @@
 /// them (DESIGN-NOTES: "a stop token stops the waiting"). A stop request from
 /// another thread is posted to the scheduler's thread first, because only that
 /// thread may touch the ring. A scheduler destroyed while the operation is
-/// still in flight (it gave up on it: see "Teardown" in scheduler.hpp)
+/// still in flight (it gave up on it: see "Teardown" in docs/SCHEDULER.md)
 /// destroys the stop callback, so a stop requested later calls nothing.
 ///
 /// Errors: `co_await op` throws `gdr::error`; `co_await std::move(op).as_result()`

@@ -1,7 +1,7 @@
 /// \file
 /// How other threads wake a scheduler: its eventfd, shared with the
 /// MSG_RING wake-ups in flight to it, and the user_data tags that are not
-/// operations (see "A wake-up is never lost" in gdr/sched/scheduler.hpp).
+/// operations (see "A wake-up is never lost" in docs/SCHEDULER.md).
 #pragma once
 
 #include <liburing.h>
@@ -23,7 +23,7 @@ inline constexpr std::uint64_t message_bit = 1;
 
 /// A scheduler's eventfd, shared by the scheduler and by the MSG_RING
 /// wake-ups in flight to it (see "A wake-up is never lost" in
-/// gdr/sched/scheduler.hpp). The last reference closes the descriptor.
+/// docs/SCHEDULER.md). The last reference closes the descriptor.
 struct wake_channel {
   int fd = -1;
   std::atomic<std::uint32_t> refs{1};

@@ -27,6 +27,7 @@
 #include <gdr/sched/timer.hpp>
 
 #include "tests/sched/sched_test_support.hpp"
+#include "tests/support/skip.hpp"
 
 using namespace std::chrono_literals;
 
@@ -877,4 +878,82 @@ TEST_CASE("destroying a scheduler whose operation never completes gives up after
   CHECK(took < 2s);
   CHECK(text.find("gdr scheduler: destroyed with 1 operation(s) still in flight after 100 ms") != std::string::npos);
   CHECK(std::count(text.begin(), text.end(), '\n') == 1);  // one line
+}
+
+namespace {
+
+bool bound_to_a_thread(gdr::scheduler& s) {
+  return (s.ring()->flags & (IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN)) != 0;
+}
+
+}  // namespace
+
+TEST_CASE("a single-thread scheduler is made on one thread, runs on another, refuses a third, and ends on the first") {
+  sched_test::watchdog wd(30);
+  if (!gdr::scheduler_options{}.single_thread) GDR_SKIP("GDR_SCHED_ANY_THREAD=1: rings any thread may run");
+  auto s = std::make_unique<gdr::scheduler>(gdr::scheduler_options{.teardown_timeout = 200ms});
+  if (!bound_to_a_thread(*s)) GDR_SKIP("the kernel refuses IORING_SETUP_DEFER_TASKRUN (before Linux 6.1)");
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  // A read on a pipe nobody writes, started by the loop's thread, which then
+  // exits with it in flight.
+  struct pending_read : gdr::operation {
+    char c = 0;
+  } op;
+  op.complete = [](gdr::operation*, int, std::uint32_t) noexcept { FAIL("an abandoned operation completed"); };
+  std::thread loop([&] {
+    gdr::sync_wait(*s, nops(3));
+    io_uring_sqe* sqe = s->get_sqe();
+    REQUIRE(sqe != nullptr);
+    io_uring_prep_read(sqe, p[0], &op.c, 1, 0);
+    io_uring_sqe_set_data(sqe, static_cast<gdr::operation*>(&op));
+    s->note_submitted();
+    s->run_once(false);
+    CHECK(s->inflight() == 1);
+  });
+  loop.join();
+  // Another thread may not run it.
+  bool refused = false;
+  try {
+    s->run_once(false);
+  } catch (const gdr::error& e) {
+    refused = true;
+    CHECK(e.code() == gdr::errc::unsupported);
+    CHECK(std::string(e.what()).find("single_thread") != std::string::npos);
+  }
+  CHECK(refused);
+  // The destructor, here, cannot enter the ring to finish the read: it gives
+  // up after the teardown bound and says why.
+  stderr_capture err;
+  auto t0 = std::chrono::steady_clock::now();
+  s.reset();
+  auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took >= 200ms);
+  CHECK(took < 2s);
+  std::string text = err.text();
+  CHECK(text.find("gdr scheduler: destroyed on a thread other than the one that ran its loop, with 1 operation(s)") !=
+        std::string::npos);
+  CHECK(std::count(text.begin(), text.end(), '\n') == 1);
+  ::close(p[0]);
+  ::close(p[1]);
+  // Made here, run on another thread, ended here with nothing in flight: the
+  // common case, silent and at once.
+  {
+    stderr_capture quiet;
+    gdr::scheduler q;
+    std::thread t([&] { gdr::sync_wait(q, sleep(1ms)); });
+    t.join();
+    CHECK(quiet.text().empty());
+  }
+}
+
+TEST_CASE("a scheduler with single_thread = false may be run by one thread after another") {
+  sched_test::watchdog wd(30);
+  gdr::scheduler s({.single_thread = false});
+  CHECK_FALSE(bound_to_a_thread(s));
+  std::thread a([&] { gdr::sync_wait(s, nops(3)); });
+  a.join();
+  gdr::sync_wait(s, nops(3));
+  std::thread b([&] { gdr::sync_wait(s, sleep(1ms)); });
+  b.join();
 }
