@@ -635,6 +635,8 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   lane_piece lane_piece_of(const lane_job& j, std::size_t i) noexcept;
   void lane_plan_gpu_flush(lane_job& j) noexcept;
   void lane_pump() noexcept;
+  lane_job& lane_take(proto::op& o) noexcept;
+  bool lane_post_alone(proto::op& o) noexcept;
   std::error_code lane_local_memory(lane_job& j) noexcept;
   bool lane_post(lane_job& j) noexcept;
   static void on_lane_wc(gdr::verbs::work* w, const ibv_wc& wc) noexcept;

@@ -249,6 +249,7 @@ inline void connection::link_direct(proto::op& o) noexcept {
     on_direct_done(o, failed() ? error() : std::error_code(errc::connection_lost));
     return;
   }
+  if (lane_wait_head_ == nullptr && lane_post_alone(o)) return;
   (lane_wait_tail_ != nullptr ? lane_wait_tail_->direct_next : lane_wait_head_) = &o;
   lane_wait_tail_ = &o;
   lane_pump();
@@ -293,17 +294,7 @@ inline void connection::lane_pump() noexcept {
     lane_wait_head_ = o->direct_next;
     if (lane_wait_head_ == nullptr) lane_wait_tail_ = nullptr;
     o->direct_next = nullptr;
-    lane_job* j = lane_free_;
-    lane_free_ = j->next_free;
-    j->o = o;
-    j->posted = j->done = j->out = j->failed = j->ends_head = j->ends_used = 0;
-    j->ec = {};
-    j->bounce = false;
-    j->inl = false;
-    j->faulted = false;
-    j->flush_read = false;
-    j->flush_at = {};
-    j->lkey = 0;
+    lane_job* j = &lane_take(*o);
     if (o->is_flush()) {
       j->pieces = 1;
     } else if (o->batch() != nullptr) {
@@ -359,6 +350,86 @@ inline void connection::lane_plan_gpu_flush(lane_job& j) noexcept {
 }
 
 /// Finds the local memory's key for job `j` (see the file comment).
+/// A free job for `o`, every field as a new job's (`lane_free_` must not
+/// be empty).
+inline lane_job& connection::lane_take(proto::op& o) noexcept {
+  lane_job& j = *lane_free_;
+  lane_free_ = j.next_free;
+  j.o = &o;
+  j.posted = j.done = j.out = j.failed = j.ends_head = j.ends_used = 0;
+  j.ec = {};
+  j.bounce = false;
+  j.inl = false;
+  j.faulted = false;
+  j.flush_read = false;
+  j.flush_at = {};
+  j.lkey = 0;
+  return j;
+}
+
+/// The common case on its own: an operation that finds nothing waiting
+/// before it, a free job and room in the send queue, and is one small work
+/// request on host memory (an atomic, a get into the scratch, an inline
+/// put; no flush, notification or batch, nothing into the peer's GPU
+/// memory) is posted here, as lane_pump and lane_post would post it, without
+/// their general planning. False: the general path takes it (also when the
+/// post fails, so that the failure is handled there).
+inline bool connection::lane_post_alone(proto::op& o) noexcept {
+  if (lane_phase_ != lane_phase::ready || lane_free_ == nullptr || lane_out_ >= lane_sq_) return false;
+  // A job still short of posting all its pieces goes first (RC order).
+  if (lane_active_.tail != nullptr && lane_active_.tail->posted != lane_active_.tail->pieces) return false;
+  const std::size_t n = o.local_size();
+  if (n == 0 || o.is_flush() || o.batch() != nullptr || o.notifies() || o.local_device() >= 0) return false;
+  const int atomic = o.atomic_code();
+  const bool get = o.is_get();
+  const bool bounce = atomic != 0 || (get && n <= lane_small);
+  if (!bounce && (get || n > lane_inline_ || o.remote_device())) return false;
+  ibv_sge sge{};
+  ibv_send_wr wr{};
+  lane_job& j = lane_take(o);
+  j.pieces = j.data_pieces = 1;
+  wr.wr_id = j.wr_id();
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  sge.length = static_cast<std::uint32_t>(n);
+  const std::uint32_t rkey = o.nic_key(direct_domain());
+  if (bounce) {
+    j.bounce = true;
+    j.lkey = sge.lkey = lane_mr_.lkey();
+    sge.addr = reinterpret_cast<std::uintptr_t>(j.scratch);
+  } else {
+    j.inl = true;
+    wr.send_flags |= IBV_SEND_INLINE;
+    sge.addr = reinterpret_cast<std::uintptr_t>(o.local_data());
+  }
+  if (atomic != 0) {
+    wr.opcode = atomic == proto::atomic_fetch_add ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
+    wr.wr.atomic.remote_addr = o.remote_address();
+    wr.wr.atomic.rkey = rkey;
+    wr.wr.atomic.compare_add = o.atomic_arg(0);
+    wr.wr.atomic.swap = o.atomic_arg(1);
+    sge.length = sizeof(std::uint64_t);
+  } else {
+    wr.opcode = get ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+    wr.wr.rdma.remote_addr = o.remote_address();
+    wr.wr.rdma.rkey = rkey;
+  }
+  ibv_send_wr* bad = nullptr;
+  if (GDR_UNLIKELY(ibv_post_send(lane_init_, &wr, &bad) != 0)) {
+    lane_free_job(j);
+    return false;
+  }
+  if (lane_out_ == 0) poller_->note_busy(1);  // as lane_post
+  j.posted = j.out = 1;
+  j.ends[0] = 1;
+  j.ends_used = 1;
+  ++lane_out_;
+  ++stats_.direct_wrs;
+  lane_active_.push_back(&j);
+  return true;
+}
+
 inline std::error_code connection::lane_local_memory(lane_job& j) noexcept {
   proto::op& o = *j.o;
   const std::size_t n = o.local_size();
