@@ -637,7 +637,10 @@ class connection final : public proto::engine, private gdr::verbs::qp_event_sink
   void lane_pump() noexcept;
   lane_job& lane_take(proto::op& o) noexcept;
   bool lane_post_alone(proto::op& o) noexcept;
+  bool lane_small_memory(lane_job& j) noexcept;
   std::error_code lane_local_memory(lane_job& j) noexcept;
+  void lane_data_wr(const lane_job& j, const lane_piece& p, std::uint32_t rkey, bool last, ibv_send_wr& wr,
+                    ibv_sge& sge) noexcept;
   bool lane_post(lane_job& j) noexcept;
   static void on_lane_wc(gdr::verbs::work* w, const ibv_wc& wc) noexcept;
   void lane_done(lane_job& j, const ibv_wc& wc) noexcept;

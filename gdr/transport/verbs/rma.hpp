@@ -349,7 +349,6 @@ inline void connection::lane_plan_gpu_flush(lane_job& j) noexcept {
   }
 }
 
-/// Finds the local memory's key for job `j` (see the file comment).
 /// A free job for `o`, every field as a new job's (`lane_free_` must not
 /// be empty).
 inline lane_job& connection::lane_take(proto::op& o) noexcept {
@@ -380,41 +379,19 @@ inline bool connection::lane_post_alone(proto::op& o) noexcept {
   if (lane_active_.tail != nullptr && lane_active_.tail->posted != lane_active_.tail->pieces) return false;
   const std::size_t n = o.local_size();
   if (n == 0 || o.is_flush() || o.batch() != nullptr || o.notifies() || o.local_device() >= 0) return false;
-  const int atomic = o.atomic_code();
-  const bool get = o.is_get();
-  const bool bounce = atomic != 0 || (get && n <= lane_small);
-  if (!bounce && (get || n > lane_inline_ || o.remote_device())) return false;
+  // A put into the peer's GPU memory marks it for a flush (lane_plan_gpu_flush).
+  if (!o.is_get() && o.atomic_code() == 0 && o.remote_device()) return false;
+  lane_job& j = lane_take(o);
+  if (!lane_small_memory(j)) {  // it needs a registration: the general path
+    lane_free_job(j);
+    return false;
+  }
+  j.pieces = j.data_pieces = 1;
   ibv_sge sge{};
   ibv_send_wr wr{};
-  lane_job& j = lane_take(o);
-  j.pieces = j.data_pieces = 1;
   wr.wr_id = j.wr_id();
   wr.send_flags = IBV_SEND_SIGNALED;
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  sge.length = static_cast<std::uint32_t>(n);
-  const std::uint32_t rkey = o.nic_key(direct_domain());
-  if (bounce) {
-    j.bounce = true;
-    j.lkey = sge.lkey = lane_mr_.lkey();
-    sge.addr = reinterpret_cast<std::uintptr_t>(j.scratch);
-  } else {
-    j.inl = true;
-    wr.send_flags |= IBV_SEND_INLINE;
-    sge.addr = reinterpret_cast<std::uintptr_t>(o.local_data());
-  }
-  if (atomic != 0) {
-    wr.opcode = atomic == proto::atomic_fetch_add ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
-    wr.wr.atomic.remote_addr = o.remote_address();
-    wr.wr.atomic.rkey = rkey;
-    wr.wr.atomic.compare_add = o.atomic_arg(0);
-    wr.wr.atomic.swap = o.atomic_arg(1);
-    sge.length = sizeof(std::uint64_t);
-  } else {
-    wr.opcode = get ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-    wr.wr.rdma.remote_addr = o.remote_address();
-    wr.wr.rdma.rkey = rkey;
-  }
+  lane_data_wr(j, {0, 0, n}, o.nic_key(direct_domain()), true, wr, sge);
   ibv_send_wr* bad = nullptr;
   if (GDR_UNLIKELY(ibv_post_send(lane_init_, &wr, &bad) != 0)) {
     lane_free_job(j);
@@ -430,20 +407,31 @@ inline bool connection::lane_post_alone(proto::op& o) noexcept {
   return true;
 }
 
-inline std::error_code connection::lane_local_memory(lane_job& j) noexcept {
-  proto::op& o = *j.o;
+/// Local memory that needs no registration: an atomic's or a small get's
+/// lands in the job's registered scratch, a small put's goes inline. True:
+/// `j` is set up so. (GPU memory is never either: only the NIC touches it.)
+inline bool connection::lane_small_memory(lane_job& j) noexcept {
+  const proto::op& o = *j.o;
   const std::size_t n = o.local_size();
-  if (o.is_flush() || n == 0) return {};
-  const int dev = o.local_device();  // GPU memory: only the NIC touches it (no scratch copy, nothing inline)
+  const int dev = o.local_device();
   if (o.atomic_code() != 0 || (dev < 0 && o.is_get() && o.batch() == nullptr && n <= lane_small)) {
     j.bounce = true;
     j.lkey = lane_mr_.lkey();
-    return {};
+    return true;
   }
   if (dev < 0 && !o.is_get() && o.batch() == nullptr && n <= lane_inline_) {
     j.inl = true;
-    return {};
+    return true;
   }
+  return false;
+}
+
+/// Finds the local memory's key for job `j` (see the file comment).
+inline std::error_code connection::lane_local_memory(lane_job& j) noexcept {
+  proto::op& o = *j.o;
+  const std::size_t n = o.local_size();
+  if (o.is_flush() || n == 0 || lane_small_memory(j)) return {};
+  const int dev = o.local_device();
   if (dev < 0) {
     if (void* h = lane_registry_->nic_handle(o.local_data(), n, *dq_->domain); h != nullptr) {
       j.lkey = static_cast<ibv_mr*>(h)->lkey;
@@ -456,6 +444,43 @@ inline std::error_code connection::lane_local_memory(lane_job& j) noexcept {
   j.lkey = h->handle()->lkey;
   j.hold = std::move(*h);
   return {};
+}
+
+/// The work request that moves piece `p` of job `j`'s bytes (an atomic, a
+/// READ, or a WRITE, with the notification if `last` and the operation
+/// notifies), its local memory in `sge`. The caller has zeroed both and
+/// sets wr_id, next and the signal flag.
+inline void connection::lane_data_wr(const lane_job& j, const lane_piece& p, std::uint32_t rkey, bool last,
+                                     ibv_send_wr& wr, ibv_sge& sge) noexcept {
+  const proto::op& o = *j.o;
+  if (o.atomic_code() != 0) {
+    wr.opcode = o.atomic_code() == proto::atomic_fetch_add ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
+    wr.wr.atomic.remote_addr = o.remote_address();
+    wr.wr.atomic.rkey = rkey;
+    wr.wr.atomic.compare_add = o.atomic_arg(0);
+    wr.wr.atomic.swap = o.atomic_arg(1);
+    sge.addr = reinterpret_cast<std::uintptr_t>(j.scratch);
+    sge.length = sizeof(std::uint64_t);
+    sge.lkey = j.lkey;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    return;
+  }
+  wr.opcode = o.is_get() ? IBV_WR_RDMA_READ : (last && o.notifies() ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE);
+  if (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = o.notify_value();
+  wr.wr.rdma.remote_addr = o.remote_address() + p.remote;
+  wr.wr.rdma.rkey = rkey;
+  if (p.bytes == 0) {
+    wr.num_sge = 0;
+    return;
+  }
+  sge.addr = j.bounce ? reinterpret_cast<std::uintptr_t>(j.scratch)
+                      : reinterpret_cast<std::uintptr_t>(o.local_data() + p.local);
+  sge.length = static_cast<std::uint32_t>(p.bytes);
+  sge.lkey = j.lkey;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  if (j.inl) wr.send_flags |= IBV_SEND_INLINE;
 }
 
 /// Posts what fits of job `j`'s pieces. False: the send queue is full.
@@ -511,37 +536,8 @@ inline bool connection::lane_post(lane_job& j) noexcept {
         wr.num_sge = 0;
         continue;
       }
-      const lane_piece p = lane_piece_of(j, i);
-      if (o.atomic_code() != 0) {
-        wr.opcode = o.atomic_code() == proto::atomic_fetch_add ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
-        wr.wr.atomic.remote_addr = o.remote_address();
-        wr.wr.atomic.rkey = rkey;
-        wr.wr.atomic.compare_add = o.atomic_arg(0);
-        wr.wr.atomic.swap = o.atomic_arg(1);
-        sge.addr = reinterpret_cast<std::uintptr_t>(j.scratch);
-        sge.length = sizeof(std::uint64_t);
-        sge.lkey = j.lkey;
-        wr.sg_list = &sge;
-        wr.num_sge = 1;
-        continue;
-      }
-      const bool last = i + 1 == j.pieces;  // (a flushed job's notification is its own piece)
-      wr.opcode = o.is_get() ? IBV_WR_RDMA_READ
-                             : (last && o.notifies() ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE);
-      if (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = o.notify_value();
-      wr.wr.rdma.remote_addr = o.remote_address() + p.remote;
-      wr.wr.rdma.rkey = rkey;
-      if (p.bytes == 0) {
-        wr.num_sge = 0;
-        continue;
-      }
-      sge.addr = j.bounce ? reinterpret_cast<std::uintptr_t>(j.scratch)
-                          : reinterpret_cast<std::uintptr_t>(o.local_data() + p.local);
-      sge.length = static_cast<std::uint32_t>(p.bytes);
-      sge.lkey = j.lkey;
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
-      if (j.inl) wr.send_flags |= IBV_SEND_INLINE;
+      // (a flushed job's notification is its own piece: not the last here)
+      lane_data_wr(j, lane_piece_of(j, i), rkey, i + 1 == j.pieces, wr, sge);
     }
     ibv_send_wr* bad = nullptr;
     if (int rc = ibv_post_send(lane_init_, wrs, &bad)) {
