@@ -145,11 +145,7 @@ class scheduler {
   /// per ring"). Not from inside this scheduler's own loop. Other threads
   /// must have stopped posting to it, as for any object being destroyed.
   ~scheduler() {
-    if (loop_thread()) {
-      finish_inflight();
-    } else {
-      finish_elsewhere();
-    }
+    finish_inflight();
     drop_stop_hooks();
     *alive_ = false;
     tsan_ring_handoff(false);
@@ -435,46 +431,43 @@ class scheduler {
     owner_ = &detail::current_scheduler;
   }
 
-  // The destructor's loop (see "Teardown" in docs/SCHEDULER.md).
+  // The destructor's loop (see "Teardown" in docs/SCHEDULER.md). On a
+  // thread other than the one its ring is bound to it enters no ring: only
+  // what reaches the CQ without a kernel entry is reaped ("One thread per
+  // ring").
   void finish_inflight() noexcept {
     using clock = std::chrono::steady_clock;
     if (quiescent()) return;
+    const bool here = loop_thread();
     const clock::time_point deadline = clock::now() + teardown_timeout_;
     for (;;) {
       clock::time_point now = clock::now();
       if (now >= deadline) break;
-      iterate(true, deadline - now);
+      if (here) {
+        iterate(true, deadline - now);
+      } else if (!reap_elsewhere()) {
+        std::this_thread::yield();
+      }
       if (quiescent()) return;
     }
     // One line, where the problem shows; the destructor must not throw or
     // abort (a program ending with work outstanding should still end).
     gdr::detail::log("scheduler",
-                "destroyed with %zu operation(s) still in flight after %lld ms of teardown; "
-                "abandoning them (their coroutines will not resume, what they hold is leaked)",
+                here ? "destroyed with %zu operation(s) still in flight after %lld ms of teardown; "
+                       "abandoning them (their coroutines will not resume, what they hold is leaked)"
+                     : "destroyed on a thread other than the one that ran its loop, with %zu operation(s) "
+                       "still in flight after %lld ms; abandoning them (their coroutines will not resume, "
+                       "what they hold is leaked; single_thread binds the ring to the loop's thread)",
                 inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
   }
 
-  // The destructor on a thread other than the one its ring is bound to: no
-  // kernel entry from here, so only what reaches the CQ without one is
-  // reaped, for at most the teardown bound (see "One thread per ring" in
-  // docs/SCHEDULER.md).
-  void finish_elsewhere() noexcept {
-    using clock = std::chrono::steady_clock;
-    if (quiescent()) return;
-    const clock::time_point deadline = clock::now() + teardown_timeout_;
+  // An iteration without a kernel entry (finish_inflight on another thread).
+  bool reap_elsewhere() noexcept {
     binding bind(this);
-    while (!quiescent() && clock::now() < deadline) {
-      bool worked = drain_remote();
-      worked |= reap(false);
-      for (std::size_t i = 0; i < pollers_.size(); ++i) worked |= pollers_[i]->poll().did_work;
-      if (!worked) std::this_thread::yield();
-    }
-    if (quiescent()) return;
-    gdr::detail::log("scheduler",
-                "destroyed on a thread other than the one that ran its loop, with %zu operation(s) "
-                "still in flight after %lld ms; abandoning them (their coroutines will not resume, "
-                "what they hold is leaked; single_thread binds the ring to the loop's thread)",
-                inflight_ + messages_inflight_, static_cast<long long>(teardown_timeout_.count()));
+    bool worked = drain_remote();
+    worked |= reap(false);
+    for (std::size_t i = 0; i < pollers_.size(); ++i) worked |= pollers_[i]->poll().did_work;
+    return worked;
   }
 
   // The destructor, after finish_inflight: the operations still pending will
@@ -642,7 +635,7 @@ class scheduler {
     return true;
   }
 
-  // `may_enter` false: what is in the CQ only (finish_elsewhere).
+  // `may_enter` false: what is in the CQ only (reap_elsewhere).
   bool reap(bool may_enter = true) noexcept {
     constexpr unsigned batch = 64;
     bool worked = false;
