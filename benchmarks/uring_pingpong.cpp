@@ -105,7 +105,10 @@ struct ring_side {
                             io_uring_buf_ring_mask(nbufs), static_cast<int>(i));
     io_uring_buf_ring_advance(br, nbufs);
   }
-  ~ring_side() { io_uring_queue_exit(&ring); }  // the buffer ring's memory is left to the process's end
+  ~ring_side() {
+    io_uring_queue_exit(&ring);  // unregisters the buffer ring too
+    std::free(br);
+  }
 
   io_uring_sqe* sqe() {
     io_uring_sqe* s = io_uring_get_sqe(&ring);
