@@ -849,25 +849,37 @@ TEST_CASE("destroying a scheduler without drain finishes the operations still in
   CHECK(std::chrono::steady_clock::now() - t0 < 2s);
 }
 
+namespace {
+
+// A one-byte read from a pipe nobody writes, in memory of the test's own (no
+// coroutine frame to leak): it never completes, and the test fails if it does.
+struct never_read : gdr::operation {
+  char c = 0;
+  never_read() {
+    complete = [](gdr::operation*, int, std::uint32_t) noexcept { FAIL("an abandoned operation completed"); };
+  }
+  // Prepares it on `s` (submitted with the loop's next submission).
+  void start(gdr::scheduler& s, int fd) {
+    io_uring_sqe* sqe = s.get_sqe();
+    REQUIRE(sqe != nullptr);
+    io_uring_prep_read(sqe, fd, &c, 1, 0);
+    io_uring_sqe_set_data(sqe, static_cast<gdr::operation*>(this));
+    s.note_submitted();
+  }
+};
+
+}  // namespace
+
 TEST_CASE("destroying a scheduler whose operation never completes gives up after the teardown bound and says so") {
   sched_test::watchdog wd(30);
   int p[2];
   REQUIRE(::pipe(p) == 0);
-  // A read on a pipe nobody writes, in memory of the test's own (no coroutine
-  // frame to leak): abandoned by the destructor, never completed.
-  struct stuck_read : gdr::operation {
-    char c = 0;
-  } op;
-  op.complete = [](gdr::operation*, int, std::uint32_t) noexcept { FAIL("an abandoned operation completed"); };
+  never_read op;  // abandoned by the destructor, never completed
   stderr_capture err;
   auto t0 = std::chrono::steady_clock::now();
   {
     gdr::scheduler s({.teardown_timeout = 100ms});
-    io_uring_sqe* sqe = s.get_sqe();
-    REQUIRE(sqe != nullptr);
-    io_uring_prep_read(sqe, p[0], &op.c, 1, 0);
-    io_uring_sqe_set_data(sqe, static_cast<gdr::operation*>(&op));
-    s.note_submitted();
+    op.start(s, p[0]);
     s.submit();
   }
   auto took = std::chrono::steady_clock::now() - t0;
@@ -895,19 +907,11 @@ TEST_CASE("a single-thread scheduler is made on one thread, runs on another, ref
   if (!bound_to_a_thread(*s)) GDR_SKIP("the kernel refuses IORING_SETUP_DEFER_TASKRUN (before Linux 6.1)");
   int p[2];
   REQUIRE(::pipe(p) == 0);
-  // A read on a pipe nobody writes, started by the loop's thread, which then
-  // exits with it in flight.
-  struct pending_read : gdr::operation {
-    char c = 0;
-  } op;
-  op.complete = [](gdr::operation*, int, std::uint32_t) noexcept { FAIL("an abandoned operation completed"); };
+  // Started by the loop's thread, which then exits with it in flight.
+  never_read op;
   std::thread loop([&] {
     gdr::sync_wait(*s, nops(3));
-    io_uring_sqe* sqe = s->get_sqe();
-    REQUIRE(sqe != nullptr);
-    io_uring_prep_read(sqe, p[0], &op.c, 1, 0);
-    io_uring_sqe_set_data(sqe, static_cast<gdr::operation*>(&op));
-    s->note_submitted();
+    op.start(*s, p[0]);
     s->run_once(false);
     CHECK(s->inflight() == 1);
   });
