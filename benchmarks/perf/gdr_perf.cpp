@@ -375,18 +375,18 @@ int main(int argc, char** argv) {
   if (csv == nullptr) perf::die("csv");
   std::fprintf(csv, "size,gdr_lat_us,gdr_gbps,path");
   for (const peer& p : peers) std::fprintf(csv, ",%s_lat_us,%s_gbps", p.name.c_str(), p.name.c_str());
-  std::fprintf(csv, "\n");
+  std::fprintf(csv, ",gdr_p99_us\n");  // last, so the plot's columns stay where they were
 
   std::printf("gdr_perf: %s %s, %s -> %s, server on CPU %d, client on CPU %d, loops %s\n", sp.transport.c_str(),
               perf::ops::name(sp.operation), space_name(sp.local).c_str(), space_name(sp.peer).c_str(),
               o.cfg.server_cpu, o.cfg.client_cpu, busy ? "busy-poll" : "sleep");
-  std::printf("latency: %s (us, median); bandwidth: a window of operations in flight (GB/s, median of %d)\n",
+  std::printf("latency: %s (us, median; gdr_p99 its 99th percentile); bandwidth: a window of operations in flight (GB/s, median of %d)\n",
               sp.operation == perf::ops::op::send ? "round trip of a send answered by a send"
                                                   : "one operation, completed when the target answered",
               o.bw_reps);
   for (const peer& p : peers)
     if (!p.unfit.empty()) std::printf("  %s: n/a (%s)\n", p.name.c_str(), p.unfit.c_str());
-  std::string head = "      size   gdr_lat    gdr_bw  path          ";
+  std::string head = "      size   gdr_lat   gdr_p99    gdr_bw  path          ";
   for (const peer& p : peers) {
     char h[128];
     const std::string lat = label(p) + "_lat", bw = label(p) + "_bw";
@@ -421,13 +421,14 @@ int main(int argc, char** argv) {
       progress(p.name);
       measure_peer(o, p, size);
     }
-    const double g_lat = med(lat.v), g_bw = med(bws);
+    const double g_lat = med(lat.v), g_p99 = lat.v.quantile(0.99), g_bw = med(bws);
     const std::string path = !bw.path.empty() ? bw.path : lat.path;
     std::string line;
     char sz[64];
     std::snprintf(sz, sizeof sz, "%10zu", size);
     line += sz;
     cell(line, g_lat, "%10.2f", 10);
+    cell(line, g_p99, "%10.2f", 10);
     cell(line, g_bw, "%10.3f", 10);
     std::snprintf(sz, sizeof sz, "  %-14s", path.empty() ? "?" : path.c_str());
     line += sz;
@@ -441,7 +442,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     std::fprintf(csv, "%zu,%g,%g,%s", size, g_lat, g_bw, path.c_str());
     for (const peer& p : peers) std::fprintf(csv, ",%g,%g", p.lat, p.bw);
-    std::fprintf(csv, "\n");
+    std::fprintf(csv, ",%g\n", g_p99);
     std::fflush(csv);
   }
   std::fclose(csv);

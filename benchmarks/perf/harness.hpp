@@ -59,6 +59,14 @@ struct sample {
     std::nth_element(c.begin(), c.begin() + c.size() / 2, c.end());
     return c[c.size() / 2];
   }
+  /// The q-quantile (0 <= q <= 1) by nearest rank: 0.99 is the p99.
+  double quantile(double q) const {
+    if (v.empty()) return NAN;
+    auto c = v;
+    const auto k = static_cast<std::size_t>(q * static_cast<double>(c.size() - 1) + 0.5);
+    std::nth_element(c.begin(), c.begin() + static_cast<std::ptrdiff_t>(k), c.end());
+    return c[k];
+  }
   double mean() const {
     return v.empty() ? NAN : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
   }
