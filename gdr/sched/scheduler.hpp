@@ -340,6 +340,15 @@ class scheduler {
   /// in sleep mode. Returns true if any work was done.
   bool run_once(bool may_block = true) { return iterate(may_block, std::chrono::nanoseconds::max()); }
 
+  /// Makes this thread the one that runs the loop, as every iteration does
+  /// first: a `single_thread` ring is bound to the first thread that runs
+  /// it, and on any other this throws `gdr::error` (`errc::unsupported`). For
+  /// code that queues work for this thread's loop and then runs it
+  /// (`sync_wait`): called before queuing, a refusal leaves nothing queued.
+  void claim_thread() {
+    if (GDR_UNLIKELY(bound_ && owner_ != &detail::current_scheduler)) claim_ring();
+  }
+
   /// Runs the loop until `done()` returns true (checked between iterations).
   template <class Pred>
   void run_until(Pred&& done) {
@@ -373,7 +382,7 @@ class scheduler {
 
   // run_once, with sleeps no longer than `cap` (the destructor's deadline).
   bool iterate(bool may_block, std::chrono::nanoseconds cap) {
-    if (GDR_UNLIKELY(bound_ && owner_ != &detail::current_scheduler)) claim_ring();
+    claim_thread();
     binding bind(this);
     ++stats_.iterations;
     if (GDR_UNLIKELY(!pending_cancels_.empty() || !wake_armed_)) flush_kept();
