@@ -404,8 +404,9 @@ struct mesh_limits {
 ///     endpoint of the transport (converts to `gdr::endpoint`), bounded by
 ///     `t` (zero: by nothing but a stop request on the awaiting coroutine's
 ///     token); several connects may be under way at once, beside one
-///     accept on each listener; a failure is an error code, or a `gdr::error` thrown where
-///     the transport says more (its words end up in the step's failure);
+///     accept on each listener; a failure is an error code, or a
+///     `gdr::error` thrown where the transport says more (its words end up
+///     in the step's failure);
 ///   * optionally a side listener, accepted on beside the first, whose
 ///     connections become endpoints only after a handshake (`node_net`'s
 ///     shared memory): `bool side_listening() const`,
@@ -573,8 +574,9 @@ struct node_net {
     if (!r) co_return r.error();
     co_return endpoint(std::move(*r));
   }
-  /// The shared-memory listener's next connection, before its handshake
-  /// (`open_side`): a connection that is no gdr peer, or says nothing,
+  /// The side listener: shared memory. `accept_side` gives its next
+  /// connection before the handshake, which `open_side` runs (in the
+  /// connection's own reader): one that is no gdr peer, or says nothing,
   /// fails or waits there, apart from the accepts.
   bool side_listening() const noexcept { return shm_listener.has_value(); }
   template <class = void>

@@ -1,7 +1,9 @@
 // gdr/bootstrap/mesh.hpp: ranks in forked processes on 127.0.0.1 build a
 // mesh (shared memory between them, since they share a node; TCP when told
 // so) through the TCP rendezvous and exchange checksummed messages; a
-// rank that fails is named, with the step, by every other rank.
+// rank that fails is named, with the step, by every other rank; processes
+// that connect to a rank's listener and are no rank of the mesh are closed
+// and hold nobody up.
 #include <doctest/doctest.h>
 
 #include <fcntl.h>
