@@ -29,8 +29,11 @@
 ///    way (the rest wait for a free one, in increasing rank order); and
 ///    accepts i connections, reading each one's hello, all at once, to learn
 ///    which lower rank it is. A connection whose hello is not of this
-///    session (a stray client, a previous job) is closed and not counted; a
-///    silent one holds nobody up and is dropped when the step ends. One
+///    session (a stray client, another job) or names no lower rank is
+///    closed and not counted; a silent one holds nobody up and is dropped
+///    when the step ends. The same holds on both of a rank's listeners (TCP
+///    and shared memory): a shared-memory connection's own handshake, too,
+///    runs apart from the accepts, and one that fails it is closed. One
 ///    deadline (`mesh_options::timeout`) bounds the step; when it passes,
 ///    the rank names the lower ranks that did not connect and the higher
 ///    ones that did not answer.
@@ -335,21 +338,52 @@ inline task<> read_mesh_hello(mesh_build& b, endpoint ep) {
   (void)closed;  // whatever it was, it is gone
 }
 
-/// Accepts until every lower rank is in, handing each connection to a
-/// reader of its own (so that a silent one holds nobody up).
-template <class Net>
-task<> accept_lower(mesh_build& b, Net& net) {
+/// A connection from `Net`'s side listener (`node_net`: shared memory),
+/// which is an endpoint only once its transport's handshake is done: runs
+/// the handshake, then reads the hello as `read_mesh_hello` does. One that
+/// fails the handshake (no gdr peer of that transport) is dropped; one that
+/// says nothing waits here, holding nobody up, until the step ends (its
+/// stop ends the handshake).
+template <class Net, class C>
+task<> open_and_read_hello(mesh_build& b, Net& net, C conn) {
+  auto open = net.open_side(std::move(conn));
+  std::string why;  // whatever it was, it is no rank of this mesh
+  result<endpoint> ep = co_await net_outcome(std::move(open), why);
+  if (ep) co_await read_mesh_hello(b, std::move(*ep));
+}
+
+/// Accepts on one of `Net`'s listeners until every lower rank is in,
+/// handing each connection to a reader of its own (so that a silent one
+/// holds nobody up): `net.accept`'s connections (endpoints), or with `Side`
+/// `net.accept_side`'s (opened by their readers).
+template <bool Side, class Net>
+task<> accept_on(mesh_build& b, Net& net) {
   while (b.missing > 0 && b.failure.empty()) {
-    auto acc = with_stop_token(b.stop_accepting.get_token(), net.accept(std::chrono::milliseconds(0)));
+    auto acc = with_stop_token(b.stop_accepting.get_token(), [&] {
+      if constexpr (Side) return net.accept_side();
+      else return net.accept(std::chrono::milliseconds(0));
+    }());
     std::string why;
-    auto ep = co_await net_outcome(std::move(acc), why);
+    auto c = co_await net_outcome(std::move(acc), why);
     if (b.missing == 0 || !b.failure.empty()) break;  // stopped: done, or failed elsewhere
-    if (!ep) {
+    if (!c) {
       b.fail("step 3 (connections): accepting: " + why);
       break;
     }
-    b.readers.spawn(read_mesh_hello(b, endpoint(std::move(*ep))));
+    if constexpr (Side) b.readers.spawn(open_and_read_hello(b, net, std::move(*c)));
+    else b.readers.spawn(read_mesh_hello(b, endpoint(std::move(*c))));
   }
+}
+
+/// Accepts every lower rank, on each of `Net`'s listeners at once, then
+/// waits for the readers.
+template <class Net>
+task<> accept_lower(mesh_build& b, Net& net) {
+  std::vector<task<>> doors;
+  doors.push_back(accept_on<false>(b, net));
+  if constexpr (requires { net.accept_side(); })
+    if (net.side_listening()) doors.push_back(accept_on<true>(b, net));
+  co_await when_all(std::move(doors));
   co_await b.readers.join();
   b.done();
 }
@@ -370,15 +404,22 @@ struct mesh_limits {
 ///     endpoint of the transport (converts to `gdr::endpoint`), bounded by
 ///     `t` (zero: by nothing but a stop request on the awaiting coroutine's
 ///     token); several connects may be under way at once, beside one
-///     accept; a failure is an error code, or a `gdr::error` thrown where
-///     the transport says more (its words end up in the step's failure);
+///     accept on each listener; a failure is an error code, or a
+///     `gdr::error` thrown where the transport says more (its words end up
+///     in the step's failure);
+///   * optionally a side listener, accepted on beside the first, whose
+///     connections become endpoints only after a handshake (`node_net`'s
+///     shared memory): `bool side_listening() const`,
+///     `task<result<C>> accept_side()` (the next connection, without its
+///     handshake) and `task<result<E>> open_side(C)` (its handshake), both
+///     bounded by a stop request only; each connection's handshake runs in
+///     a coroutine of its own, so that one that says nothing holds nobody up;
 ///   * `void close()`: stops listening (no accept is under way then).
 template <rendezvous R, class Net>
 task<mesh> build_mesh(R& rv, std::string configured_host, mesh_limits lim, Net& net) {
   static constexpr const char* who = "connect_mesh";
   // 1, 2. Introductions, listening addresses.
   const mesh_table t = introduce_and_publish(rv, net, who, configured_host);
-  if constexpr (requires { net.learn(t); }) net.learn(t);
 
   // 3. Connect to the higher ranks and accept the lower ones, at once. (A
   // rank that could not listen, or learnt that another could not, skips to
@@ -477,13 +518,12 @@ inline std::string node_identity() {
 /// The side of `build_mesh` that picks the transport per peer: TCP, and
 /// shared memory to ranks of this node (see the file comment). What it
 /// publishes: "tcp address|shm name|node identity" (a rank that publishes
-/// a plain address is reached over TCP).
+/// a plain address is reached over TCP). Lower ranks of this node connect
+/// to the shared-memory listener (the side listener), the others to TCP's.
 struct node_net {
   tcp_net tcp;
   std::optional<shm::listener> shm_listener{};
   std::string node{};
-  int shm_expected = 0;  // lower ranks that connect over shared memory
-  int shm_accepted = 0;
 
   node_net(scheduler& s, const mesh_options& o) : tcp{&s, &o} {
     const char* env = std::getenv("GDR_MESH_SAME_NODE");
@@ -512,10 +552,6 @@ struct node_net {
     if (b == std::string::npos || where.substr(b + 1) != node) return {};
     return where.substr(a + 1, b - a - 1);
   }
-  void learn(const mesh_table& t) {
-    for (int r = 0; r < t.rank; ++r)
-      if (!shm_name_of(t.where[static_cast<std::size_t>(r)]).empty()) ++shm_expected;
-  }
   template <class = void>
   task<result<endpoint>> connect(const std::string& where, std::chrono::milliseconds t) {
     if (std::string name = shm_name_of(where); !name.empty()) {
@@ -531,23 +567,30 @@ struct node_net {
     if (!r) co_return r.error();
     co_return endpoint(std::move(*r));
   }
-  /// The lower ranks of this node come first (through the shared-memory
-  /// listener), then the others (TCP). A connection on the shared-memory
-  /// name that is not a gdr peer is dropped and the accept goes on.
+  /// The TCP listener's next connection.
   template <class = void>
   task<result<endpoint>> accept(std::chrono::milliseconds t) {
-    while (shm_accepted < shm_expected) {
-      try {
-        shm::endpoint ep = co_await shm_listener->accept(timeout_options(t));
-        ++shm_accepted;
-        co_return endpoint(std::move(ep));
-      } catch (const error& e) {
-        if (e.code() != errc::protocol_error) throw error(e.code(), std::string("shared memory: ") + e.what());
-      }
-    }
     result<tcp::endpoint> r = co_await tcp.accept(t);
     if (!r) co_return r.error();
     co_return endpoint(std::move(*r));
+  }
+  /// The side listener: shared memory. `accept_side` gives its next
+  /// connection before the handshake, which `open_side` runs (in the
+  /// connection's own reader): one that is no gdr peer, or says nothing,
+  /// fails or waits there, apart from the accepts.
+  bool side_listening() const noexcept { return shm_listener.has_value(); }
+  template <class = void>
+  task<result<shm::fd_handle>> accept_side() {
+    try {
+      co_return co_await shm_listener->accept_connection();
+    } catch (const error& e) {
+      throw error(e.code(), std::string("shared memory: ") + e.what());
+    }
+  }
+  template <class = void>
+  task<result<endpoint>> open_side(shm::fd_handle conn) {
+    shm::endpoint ep = co_await shm_listener->handshake(std::move(conn));
+    co_return endpoint(std::move(ep));
   }
   void close() {
     tcp.close();

@@ -15,7 +15,9 @@
 /// again after `join()` returns or throws (its stop state stays as it was).
 ///
 /// Destroying a scope that still has tasks, or while a `join()` waits, is a
-/// bug (asserted): their frames would point at a dead scope. Join it first.
+/// bug: their frames would point at a dead scope. It ends the program, in
+/// every build, as destroying a joinable `std::thread` does: one line through
+/// gdr's log sink says why, then `std::terminate()`. Join it first.
 ///
 /// \code
 ///   gdr::task_scope scope;
@@ -32,14 +34,15 @@
 #pragma once
 
 #include <atomic>
-#include <cassert>
 #include <coroutine>
 #include <cstddef>
 #include <exception>
 #include <stop_token>
 #include <utility>
 
+#include <gdr/config.hpp>
 #include <gdr/coro/task.hpp>
+#include <gdr/log.hpp>
 
 namespace gdr {
 
@@ -50,7 +53,7 @@ class task_scope {
   task_scope(const task_scope&) = delete;
   task_scope& operator=(const task_scope&) = delete;
   ~task_scope() {
-    assert(count_.load() == 1 && "gdr::task_scope destroyed with tasks running: co_await join() first");
+    if (GDR_UNLIKELY(count_.load(std::memory_order_acquire) != 1 || joiner_)) destroyed_early();
   }
 
   /// Starts `t` now, under the scope's stop token; it runs until its first
@@ -138,6 +141,17 @@ class task_scope {
   };
 
   static spawned run(task<void> t) { co_await std::move(t); }
+
+  [[noreturn, gnu::cold, gnu::noinline]] void destroyed_early() const noexcept {
+    // While a join() waits, the scope's own reference is not in the count.
+    const std::size_t c = count_.load(std::memory_order_acquire);
+    const std::size_t running = joiner_ ? c : c - 1;
+    gdr::detail::log("task_scope",
+                     "destroyed with %zu task(s) running%s, whose frames point at it: co_await join() first. "
+                     "Ending the program (std::terminate), as a joinable std::thread's destructor does",
+                     running, joiner_ ? " and a join() waiting" : "");
+    std::terminate();
+  }
 
   void record(std::exception_ptr e) noexcept {
     // The write is published to the joiner by the acq_rel decrement in release().

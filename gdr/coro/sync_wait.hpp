@@ -3,7 +3,9 @@
 /// task finishes, and returns its result (or rethrows its exception).
 ///
 /// The bridge from ordinary code into coroutines: `main` calls it once.
-/// Not for use inside a coroutine (it would block that scheduler's loop).
+/// Not for use inside a coroutine: from inside `s`'s own loop it throws
+/// `gdr::error` (`errc::unsupported`), in every build; inside another
+/// scheduler's loop it blocks that loop until it returns.
 ///
 /// \code
 ///   gdr::scheduler sched;
@@ -11,7 +13,6 @@
 /// \endcode
 #pragma once
 
-#include <cassert>
 #include <coroutine>
 #include <exception>
 #include <optional>
@@ -74,13 +75,26 @@ sync_wait_task sync_wait_body(task<T>& t, std::optional<std::conditional_t<std::
   }
 }
 
+[[noreturn, gnu::cold, gnu::noinline]] inline void sync_wait_nested() {
+  throw error(make_error_code(errc::unsupported),
+              "gdr::sync_wait: called from inside the same scheduler's loop (a coroutine or a completion it runs), "
+              "which would run inside itself: co_await the task instead");
+}
+
 }  // namespace detail
 
 /// Runs `s` until `t` completes; returns its value or rethrows its exception.
 /// `stop` becomes the task's stop token.
+///
+/// Throws `gdr::error` (`errc::unsupported`), without running `t`, when
+/// called from inside `s`'s own loop, or on a thread that may not run `s`
+/// (its ring is bound to another: `scheduler::claim_thread`).
 template <class T>
 T sync_wait(scheduler& s, task<T> t, std::stop_token stop = {}) {
-  assert(scheduler::current() != &s && "sync_wait called from inside the same scheduler's loop");
+  // Both refusals come before anything of this call is queued on `s`: the
+  // node that starts the task lives in this frame.
+  if (GDR_UNLIKELY(scheduler::current() == &s)) detail::sync_wait_nested();
+  s.claim_thread();
   std::optional<std::conditional_t<std::is_void_v<T>, bool, T>> out;
   std::exception_ptr err;
   detail::sync_wait_task body = detail::sync_wait_body<T>(t, out, err);
@@ -92,7 +106,11 @@ T sync_wait(scheduler& s, task<T> t, std::stop_token stop = {}) {
   start.h = h;
   start.run = [](remote_work* w) noexcept { static_cast<starter*>(w)->h.resume(); };
   s.post(&start);
-  s.run_until([&] { return h.promise().done; });
+  // The loop is this thread's now, and its iterations throw nothing else:
+  // `start` runs in the first. (An exception from here would leave `start`
+  // queued, or the task suspended in frames about to be freed: none may
+  // leave this call.)
+  [&]() noexcept { s.run_until([&] { return h.promise().done; }); }();
   if (err) std::rethrow_exception(err);
   if constexpr (!std::is_void_v<T>) return std::move(*out);
 }

@@ -244,7 +244,10 @@ result<path_plan> decide_paths(force_path force, const char* who, size_note note
 ///
 /// Thread-safety: operations are started and awaited on the endpoint's
 /// scheduler's thread and resume there; `stats()` and `last_path()`
-/// likewise. Stop requests may come from any thread.
+/// likewise. Stop requests may come from any thread. An operation awaited
+/// on another thread fails at once with `errc::unsupported`, in every build,
+/// and touches nothing of the endpoint (one comparison of the thread's
+/// scheduler with the endpoint's, on every operation).
 template <class Transport>
 class basic_endpoint {
  public:
@@ -252,7 +255,8 @@ class basic_endpoint {
   using stats_type = typename Transport::stats_type;
 
   /// An endpoint with no connection (what a moved-from one is): `is_open()`
-  /// is false; starting an operation on it is a bug.
+  /// is false, and every operation on it (`close` too) fails with
+  /// `errc::closed`, in every build.
   basic_endpoint() noexcept = default;
   /// Takes over engine `e` (made by the transport).
   explicit basic_endpoint(detail::proto::engine* e) noexcept : eng_(e) {}
@@ -496,7 +500,8 @@ class basic_endpoint {
   /// `errc::peer_closed` after it has received everything sent before.
   /// Completes once the transport holds nothing of this endpoint. A timeout
   /// or stop aborts the flush (`errc::timed_out` / `errc::cancelled`).
-  /// Closing a failed or closed endpoint succeeds.
+  /// Closing a failed or closed endpoint succeeds (one that holds no
+  /// connection has nothing to close: `errc::closed`).
   [[nodiscard]] op_awaitable close(op_options opts = {}) const noexcept {
     return {eng_, op_awaitable::kind::close, nullptr, 0, 0, std::move(opts)};
   }
@@ -514,7 +519,8 @@ class basic_endpoint {
     static const stats_type none{};
     return eng_ ? static_cast<const stats_type&>(eng_->pstats()) : none;
   }
-  /// The scheduler whose thread runs this endpoint.
+  /// The scheduler whose thread runs this endpoint. Only for one that holds
+  /// a connection (failed or not), not a default-constructed or moved-from one.
   scheduler& get_scheduler() const noexcept { return eng_->sched(); }
   /// The peer as the transport names it ("10.0.0.2:4791" for TCP), for
   /// messages and logs.

@@ -56,12 +56,8 @@
 #include <gdr/sched/options.hpp>
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/stop_hook.hpp>
+#include <gdr/sched/tsan_ring.hpp>
 #include <gdr/sched/wake.hpp>
-
-#if GDR_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#endif
 
 namespace gdr {
 
@@ -106,7 +102,7 @@ class scheduler {
     // an older kernel looks like to both.
     if (!opts.ext_arg) ring_.features &= ~IORING_FEAT_EXT_ARG;
     assert(!(ring_.flags & (IORING_SETUP_SQE128 | IORING_SETUP_SQPOLL)) && "get_sqe assumes neither");
-    tsan_ring_handoff(true);
+    detail::tsan_ring_handoff(ring_, true);
     // EFD_NONBLOCK matters: a blocking eventfd sends io_uring's read to a kernel
     // worker thread, 35-60 us a wake-up instead of ~2 us (measured here).
     int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -148,7 +144,7 @@ class scheduler {
     finish_inflight();
     drop_stop_hooks();
     *alive_ = false;
-    tsan_ring_handoff(false);
+    detail::tsan_ring_handoff(ring_, false);
     io_uring_queue_exit(&ring_);
     // Wake-up messages still in flight to this ring keep the eventfd open
     // until their completions are reaped by their senders.
@@ -344,6 +340,15 @@ class scheduler {
   /// in sleep mode. Returns true if any work was done.
   bool run_once(bool may_block = true) { return iterate(may_block, std::chrono::nanoseconds::max()); }
 
+  /// Makes this thread the one that runs the loop, as every iteration does
+  /// first: a `single_thread` ring is bound to the first thread that runs
+  /// it, and on any other this throws `gdr::error` (`errc::unsupported`). For
+  /// code that queues work for this thread's loop and then runs it
+  /// (`sync_wait`): called before queuing, a refusal leaves nothing queued.
+  void claim_thread() {
+    if (GDR_UNLIKELY(bound_ && owner_ != &detail::current_scheduler)) claim_ring();
+  }
+
   /// Runs the loop until `done()` returns true (checked between iterations).
   template <class Pred>
   void run_until(Pred&& done) {
@@ -377,7 +382,7 @@ class scheduler {
 
   // run_once, with sleeps no longer than `cap` (the destructor's deadline).
   bool iterate(bool may_block, std::chrono::nanoseconds cap) {
-    if (GDR_UNLIKELY(bound_ && owner_ != &detail::current_scheduler)) claim_ring();
+    claim_thread();
     binding bind(this);
     ++stats_.iterations;
     if (GDR_UNLIKELY(!pending_cancels_.empty() || !wake_armed_)) flush_kept();
@@ -548,30 +553,6 @@ class scheduler {
       ch->signal();
     }
     ch->release();
-  }
-
-  // liburing maps and unmaps the rings with raw system calls, which TSan does
-  // not see: when a ring freed on one thread is mapped again at the same
-  // address by another, TSan takes the first SQE writes of the new ring for a
-  // race with the old one's. Each page of a ring is a TSan sync object: the
-  // destructor releases it, the constructor acquires it, so the reuse is
-  // ordered as a free and a malloc would be. No-op without TSan.
-  void tsan_ring_handoff([[maybe_unused]] bool acquire) noexcept {
-#if GDR_TSAN
-    auto pages = [acquire](void* base, std::size_t size) {
-      constexpr std::size_t page = 4096;
-      auto* b = static_cast<char*>(base);
-      for (std::size_t off = 0; off < size; off += page) {
-        if (acquire)
-          __tsan_acquire(b + off);
-        else
-          __tsan_release(b + off);
-      }
-    };
-    pages(ring_.sq.ring_ptr, ring_.sq.ring_sz);
-    if (ring_.cq.ring_ptr != ring_.sq.ring_ptr) pages(ring_.cq.ring_ptr, ring_.cq.ring_sz);
-    pages(ring_.sq.sqes, std::size_t{ring_.sq.ring_entries} * sizeof(io_uring_sqe));
-#endif
   }
 
   template <class P>

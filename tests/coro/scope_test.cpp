@@ -2,10 +2,19 @@
 // join, request_stop (also from another thread), reuse.
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <stop_token>
+#include <string>
 #include <thread>
 
 #include <gdr/coro/scope.hpp>
@@ -224,4 +233,96 @@ TEST_CASE("spawned tasks observe the scope's token, not the spawner's") {
         co_await scope.join();
       }(),
       spawners.get_token());
+}
+
+namespace {
+
+// How a child process that ran `f` ended: killed by SIGABRT, and what it
+// wrote to stderr meanwhile. `f` runs in a forked child (a death test).
+struct ending {
+  bool aborted = false;
+  std::string text;
+};
+template <class F>
+ending in_child(F f) {
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::signal(SIGABRT, SIG_DFL);  // not doctest's crash report
+    ::dup2(p[1], 2);
+    f();
+    ::_exit(0);
+  }
+  ::close(p[1]);
+  ending e;
+  char buf[512];
+  for (;;) {
+    pollfd pf{p[0], POLLIN, 0};
+    if (::poll(&pf, 1, 20'000) != 1) break;
+    const ssize_t n = ::read(p[0], buf, sizeof buf);
+    if (n <= 0) break;
+    e.text.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(p[0]);
+  int status = 0;
+  for (int i = 0; i < 2000 && ::waitpid(pid, &status, WNOHANG) == 0; ++i) std::this_thread::sleep_for(10ms);
+  if (::waitpid(pid, &status, WNOHANG) == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
+  e.aborted = WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
+  return e;
+}
+
+}  // namespace
+
+TEST_CASE("destroying a scope with tasks running ends the program, in every build, saying why") {
+  coro_test::watchdog wd(60);
+  ending e = in_child([] {
+    gdr::scheduler s;
+    gdr::sync_wait(s, []() -> gdr::task<> {
+      int n = 0;
+      {
+        gdr::task_scope scope;
+        scope.spawn(sleep_then_count(10s, n));
+        scope.spawn(sleep_then_count(10s, n));
+      }  // no join
+      co_return;
+    }());
+  });
+  CHECK(e.aborted);
+  CHECK(e.text.find("gdr task_scope: destroyed with 2 task(s) running, whose frames point at it: co_await join() "
+                    "first") != std::string::npos);
+  // While its join() waits: the same.
+  e = in_child([] {
+    gdr::scheduler s;
+    gdr::sync_wait(s, []() -> gdr::task<> {
+      int n = 0;
+      auto scope = std::make_unique<gdr::task_scope>();
+      scope->spawn(sleep_then_count(10s, n));
+      gdr::task_scope outer;
+      outer.spawn([](gdr::task_scope& sc) -> gdr::task<> { co_await sc.join(); }(*scope));
+      scope.reset();
+      co_return;
+    }());
+  });
+  CHECK(e.aborted);
+  CHECK(e.text.find("gdr task_scope: destroyed with 1 task(s) running and a join() waiting") != std::string::npos);
+}
+
+TEST_CASE("a scope destroyed after its join, or that never had a task, ends quietly") {
+  gdr::scheduler s;
+  gdr::sync_wait(s, []() -> gdr::task<> {
+    int n = 0;
+    {
+      gdr::task_scope scope;
+      scope.spawn(sleep_then_count(1ms, n));
+      co_await scope.join();
+    }
+    { gdr::task_scope unused; }
+    CHECK(n == 1);
+  }());
 }

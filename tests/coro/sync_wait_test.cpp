@@ -1,7 +1,10 @@
 // gdr/coro/sync_wait.hpp: the bridge from ordinary code into a scheduler's loop.
 #include <doctest/doctest.h>
 
+#include <liburing.h>
+
 #include <chrono>
+#include <memory>
 #include <stdexcept>
 #include <stop_token>
 #include <string>
@@ -11,6 +14,7 @@
 #include <gdr/sched/timer.hpp>
 
 #include "tests/coro/coro_test_support.hpp"
+#include "tests/support/skip.hpp"
 
 using namespace std::chrono_literals;
 
@@ -87,4 +91,61 @@ TEST_CASE("two threads can each sync_wait on their own scheduler at once") {
   other.join();
   CHECK(a == 1000);
   CHECK(b == 1000);
+}
+
+TEST_CASE("sync_wait on a thread that may not run the scheduler throws, runs nothing, and leaves nothing queued") {
+  coro_test::watchdog wd(30);
+  if (!gdr::scheduler_options{}.single_thread) GDR_SKIP("GDR_SCHED_ANY_THREAD=1: rings any thread may run");
+  auto s = std::make_unique<gdr::scheduler>();
+  if (!(s->ring()->flags & IORING_SETUP_SINGLE_ISSUER))
+    GDR_SKIP("the kernel refuses IORING_SETUP_DEFER_TASKRUN (before Linux 6.1)");
+  // Its ring is bound to the thread that first runs it.
+  std::thread loop([&] { gdr::sync_wait(*s, []() -> gdr::task<> { co_await gdr::nop(); }()); });
+  loop.join();
+  bool ran = false;
+  bool refused = false;
+  try {
+    gdr::sync_wait(*s, [&]() -> gdr::task<> {
+      ran = true;
+      co_return;
+    }());
+  } catch (const gdr::error& e) {
+    refused = true;
+    CHECK(e.code() == gdr::errc::unsupported);
+    CHECK(std::string(e.what()).find("single_thread") != std::string::npos);
+  }
+  CHECK(refused);
+  CHECK_FALSE(ran);
+  // Destroyed here (not the loop's thread): it finishes what is queued, and
+  // the refused call left nothing (it used to leave the node that starts
+  // its task, in its dead frame: SIGSEGV).
+  s.reset();
+  CHECK_FALSE(ran);
+}
+
+TEST_CASE("sync_wait from inside its own scheduler's loop throws, in every build, and runs nothing") {
+  gdr::scheduler s;
+  bool ran = false;
+  std::error_code why;
+  std::string what;
+  gdr::sync_wait(s, [&]() -> gdr::task<> {
+    try {
+      gdr::sync_wait(s, [&]() -> gdr::task<> {
+        ran = true;
+        co_return;
+      }());
+    } catch (const gdr::error& e) {
+      why = e.code();
+      what = e.what();
+    }
+    co_await gdr::nop();
+  }());
+  CHECK(why == gdr::errc::unsupported);
+  CHECK(what.find("gdr::sync_wait: called from inside the same scheduler's loop") != std::string::npos);
+  CHECK_FALSE(ran);
+  // Inside another scheduler's loop it runs (blocking that loop meanwhile).
+  gdr::scheduler other;
+  CHECK(gdr::sync_wait(other, [&]() -> gdr::task<int> {
+    co_return gdr::sync_wait(s, []() -> gdr::task<int> { co_return 7; }());
+  }()) == 7);
 }

@@ -926,6 +926,8 @@ TEST_CASE("a single-thread scheduler is made on one thread, runs on another, ref
     CHECK(std::string(e.what()).find("single_thread") != std::string::npos);
   }
   CHECK(refused);
+  // Nor claim it (what sync_wait asks before it queues its task).
+  CHECK_THROWS_AS(s->claim_thread(), gdr::error);
   // The destructor, here, cannot enter the ring to finish the read: it gives
   // up after the teardown bound and says why.
   stderr_capture err;
@@ -957,6 +959,7 @@ TEST_CASE("a scheduler with single_thread = false may be run by one thread after
   CHECK_FALSE(bound_to_a_thread(s));
   std::thread a([&] { gdr::sync_wait(s, nops(3)); });
   a.join();
+  s.claim_thread();  // any thread may
   gdr::sync_wait(s, nops(3));
   std::thread b([&] { gdr::sync_wait(s, sleep(1ms)); });
   b.join();

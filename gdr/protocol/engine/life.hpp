@@ -582,8 +582,9 @@ inline void op::throw_error() const {
 }
 
 inline bool op::start(std::coroutine_handle<> h, std::stop_token coro_stop) noexcept {
-  assert(eng_ != nullptr && "gdr: operation on an endpoint that holds no connection");
-  assert(scheduler::current() == &eng_->sched() && "gdr: await an endpoint's operations on its scheduler's thread");
+  // Misuse, refused in every build before anything of the engine is touched
+  // (a thread other than its loop's would race with it).
+  if (GDR_UNLIKELY(eng_ == nullptr || scheduler::current() != &eng_->sched())) return refuse_start();
   if (coro_stop.stop_requested() || opts_.stop.stop_requested()) {
     ec_ = errc::cancelled;
     eng_->record(*this);

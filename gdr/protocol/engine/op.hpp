@@ -248,6 +248,18 @@ class op : private gdr::detail::cancellable<op> {
 
   [[noreturn]] void throw_error() const;
   inline bool start(std::coroutine_handle<> h, std::stop_token coro_stop) noexcept;
+  // No connection, or not the endpoint's scheduler's thread (`start`): fails at once.
+  [[gnu::cold, gnu::noinline]] bool refuse_start() noexcept {
+    if (eng_ == nullptr) {
+      ec_ = errc::closed;
+      what_ = "gdr: an operation on an endpoint that holds no connection (default-constructed or moved from)";
+    } else {
+      ec_ = errc::unsupported;
+      what_ = "gdr: an endpoint's operation awaited on a thread other than its scheduler's: await it on the thread "
+              "that runs the endpoint's scheduler";
+    }
+    return false;
+  }
   inline void finish() noexcept;
 
   // ---- parameters ----

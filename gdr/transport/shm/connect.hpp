@@ -347,10 +347,23 @@ class listener {
   /// bounds each step, `opts.stop` cancels it. The listener must outlive
   /// the `co_await`.
   task<endpoint> accept(op_options oo = {}) const {
+    fd_handle conn = co_await accept_connection(oo);
+    co_return co_await handshake(std::move(conn), oo);
+  }
+
+  /// `accept` in two halves, for a caller that runs each connection's
+  /// handshake apart from its accepts (so that a connection that says
+  /// nothing holds up no other: the bootstrap mesh). This one waits for the
+  /// next connection and gives its socket; `oo` as for `accept`.
+  task<fd_handle> accept_connection(op_options oo = {}) const {
     using gdr::detail::shm::unix_call;
     if (!sock_.valid()) throw gdr::error(make_error_code(errc::closed), "gdr::shm::listener: closed");
     int fd = co_await unix_call(*sched_, oo, unix_call::kind::accept, sock_.get());
-    fd_handle conn(fd);
+    co_return fd_handle(fd);
+  }
+  /// The second half: runs the handshake on `conn` (from
+  /// `accept_connection`) and makes its endpoint. `oo` bounds each step.
+  task<endpoint> handshake(fd_handle conn, op_options oo = {}) const {
     gdr::detail::shm::link_parts parts = co_await gdr::detail::shm::handshake(*sched_, std::move(conn), opts_, oo);
     co_return endpoint(*sched_, std::move(parts), *registry_, opts_);
   }
