@@ -84,7 +84,10 @@ inline void connection::write_some(bool in_event) noexcept {
     const bool ipc = ipc_out(*f);
     const std::size_t total = ring_bytes(*f);
     std::size_t room = tx_.room(total - f->written);
-    if (room == 0) break;
+    if (room == 0) {
+      if (tx_.corrupt()) ring_broken();
+      break;
+    }
     if (!f->sealed) {
       if (ipc && (!fence(*f) || !export_ipc(*f))) break;
       fenced_ = nullptr;
@@ -174,9 +177,14 @@ inline bool connection::export_ipc(const frame& f) noexcept {
   std::uint32_t slot = 0;
   if (m.kind == copy_engine::ipc_kind::fd) {
     // Passed once: the peer keeps it in a slot while it is among the last
-    // 16 this side passed.
-    if (fd_slot_for(m, slot)) {
+    // 16 this side passed (never in a slot the peer has yet to let go: its
+    // allocation was freed).
+    const fd_table_out::lookup at =
+        fd_out_.find(m.base, m.buffer_id, tx_.control().released.load(std::memory_order_acquire));
+    slot = at.slot;
+    if (at.held) {
       ipc_kind_out_ = fd_held;
+      fd_out_.touch(slot);
     } else if (slot == fd_slots) {
       // Every slot is one the peer has yet to let go: soon.
       sock_blocked_ = true;
@@ -184,10 +192,8 @@ inline bool connection::export_ipc(const frame& f) noexcept {
       return false;
     } else {
       if (!pass_fd(m, slot)) return false;
-      if (fd_out_[slot].used == 0) ++fds_out_;
-      fd_out_[slot] = {m.base, m.buffer_id, 0};
+      fd_out_.put(slot, m.base, m.buffer_id);  // (what the slot held, the peer lets go as it takes this one)
     }
-    fd_out_[slot].used = ++fd_clock_;
   }
   m.to_wire(ipc_out_);
   ipc_out_[0] = static_cast<std::byte>(slot);  // (the handle's place: unused by a descriptor)
@@ -226,7 +232,14 @@ inline void connection::written(frame& f, bool in_event) noexcept {
 }
 
 inline void connection::settle_copied(bool in_event) noexcept {
-  copied_seen_ = tx_.control().copied.load(std::memory_order_seq_cst);
+  // The reader's count, loaded once: it only grows, and never past the
+  // copies written (else the peer broke it).
+  const std::uint64_t now = tx_.control().copied.load(std::memory_order_seq_cst);
+  if (static_cast<std::uint32_t>(now - copied_seen_) > copies_out_ - static_cast<std::uint32_t>(copied_seen_)) {
+    ring_broken();
+    return;
+  }
+  copied_seen_ = now;
   const auto copied = static_cast<std::uint32_t>(copied_seen_);
   while (frame* f = sent_.head) {
     if (static_cast<std::int32_t>(f->seq - copied) > 0) break;  // not yet (counts mod 2^32)
@@ -263,7 +276,7 @@ inline void connection::release_sent() noexcept {
   const bool mapped = tx_.capacity() != 0;
   std::uint64_t at = tx_.position() - (txq_.head != nullptr ? txq_.head->written : 0);
   for (const frame* f = sent_.head; f != nullptr; f = f->next) at -= ring_bytes(*f);
-  const std::uint64_t read_to = mapped ? tx_.control().tail.load(std::memory_order_seq_cst) : at;
+  const std::uint64_t read_to = mapped ? tx_.peer_tail() : at;  // (checked: a broken one reads as the last good one)
   while (frame* f = sent_.pop_front()) {
     at += ring_bytes(*f);
     const bool copy = single_copy_out(*f) || ipc_out(*f);
@@ -366,6 +379,7 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   // this frame: take them first (a close frame must not fail a send whose
   // bytes the peer already has).
   if (!sent_.empty()) settle_copied(true);
+  if (failed()) return false;  // (the count was broken)
   proto::rx_plan plan = on_header(r.header);
   switch (plan.act) {
     case proto::rx_plan::action::pause:
@@ -385,9 +399,7 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
       m.kind = copy_engine::ipc_kind::fd;
       const auto slot = static_cast<std::uint32_t>(m.handle[0]);
       if (mark == fd_held) {
-        // Passed before and kept: it must be that allocation's.
-        const fd_slot_in* e = slot < fd_slots ? &fd_in_[slot] : nullptr;
-        m.fd = e != nullptr && e->fd >= 0 && e->base == m.base && e->id == m.buffer_id ? e->fd : -1;
+        m.fd = fd_in_.held(slot, m.base, m.buffer_id);  // passed before and kept: it must be that allocation's
       } else {
         m.fd = take_fd(m, slot);
       }
@@ -517,17 +529,17 @@ inline poll_status connection::poll_ring() noexcept {
   if (!live_) return {};
   // An allocation whose descriptor the peer holds was freed: the peer
   // hears of it (only where this side passed any).
-  if (fds_out_ != 0 && ce_->ipc_frees() != frees_seen_) note_frees();
+  if (fd_out_.in_use() != 0 && ce_->ipc_frees() != frees_seen_) note_frees();
   bool corrupt = false;
   const bool rx_ready = reading() && (rx_.readable(corrupt) != 0 || corrupt);
   // A descriptor the full socket refused is tried again after a while,
   // at every poll when busy-polling.
-  const bool tx_ready = tx_blocked_ && !failed() && tx_.room() != 0 &&
+  const bool tx_ready = tx_blocked_ && !failed() && (tx_.room() != 0 || tx_.corrupt()) &&
                         (!sock_blocked_ || sched().mode() == run_mode::busy_poll ||
                          std::chrono::steady_clock::now() >= sock_retry_at_);
   const bool copies_ready =
       !sent_.empty() && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_;
-  const std::uint32_t released = fds_in_ != 0 ? rx_.control().released.load(std::memory_order_acquire) : 0;
+  const std::uint32_t released = fd_in_.in_use() != 0 ? rx_.control().released.load(std::memory_order_acquire) : 0;
   if (rx_ready || tx_ready || copies_ready || released != 0) {
     {
       proto::event_scope ev(*this);
@@ -552,9 +564,9 @@ inline poll_status connection::arm() noexcept {
   if (want_rx) announce_wait(rx_.control().reader_waiting);
   if (want_tx || want_copies) announce_wait(tx_.control().writer_waiting);
   bool corrupt = false;
-  if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && tx_.room() != 0) ||
+  if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && (tx_.room() != 0 || tx_.corrupt())) ||
       (want_copies && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_) ||
-      (fds_in_ != 0 && rx_.control().released.load(std::memory_order_acquire) != 0))
+      (fd_in_.in_use() != 0 && rx_.control().released.load(std::memory_order_acquire) != 0))
     return {.did_work = true};
   arm_bell();
   if (!bell_inflight_) return {.sleep_bound = std::chrono::milliseconds(1)};  // no SQE: look again soon
@@ -709,7 +721,7 @@ inline void connection::link_release() noexcept {
   parts_.bell.reset();
   parts_.peer_bell.reset();
   parts_.sock.reset();
-  close_fd_slots();
+  fd_in_.close_all();
 }
 
 inline void connection::arm_linger(std::chrono::milliseconds bound) noexcept {
