@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -50,7 +51,7 @@ struct plan {
   bool seal = true;                  ///< its memfd sealed against resizing
   std::uint32_t segment_magic = d::segment_magic;
   std::uint32_t segment_version = d::segment_version;
-  std::uint64_t segment_capacity = 0;  ///< the control block's capacity word (0: `capacity`)
+  std::optional<std::uint64_t> segment_capacity;  ///< the control block's capacity word (none: `capacity`)
   std::uint32_t magic = d::hello_magic;
   std::uint32_t version = 1;
   std::uint64_t ring_bytes = 0;  ///< the hello's (0: `capacity`)
@@ -113,7 +114,7 @@ class peer {
     d::ring::format(mine_, cap_);
     mine().magic.store(p.segment_magic);
     mine().version.store(p.segment_version);
-    mine().capacity.store(p.segment_capacity != 0 ? p.segment_capacity : cap_);
+    mine().capacity.store(p.segment_capacity.value_or(cap_));
     bell_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);  // what the endpoint rings: never read here
     if (bell_ < 0) return false;
 
