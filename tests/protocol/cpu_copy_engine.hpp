@@ -28,6 +28,7 @@
 #pragma once
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -326,6 +327,11 @@ class cpu_copy_engine final : public gdr::copy_engine {
       ++fd_stale;
       retire(it);
     }
+    // The descriptor came from the peer: a mapping longer than its file
+    // would fault past the end (the driver refuses such an import alike).
+    struct stat st {};
+    if (::fstat(src.fd, &st) != 0 || st.st_size < 0 || static_cast<std::uint64_t>(st.st_size) < src.size)
+      return {nullptr, EINVAL};
     void* p = ::mmap(nullptr, src.size, PROT_READ | PROT_WRITE, MAP_SHARED, src.fd, 0);
     if (p == MAP_FAILED) return {nullptr, errno};
     try {

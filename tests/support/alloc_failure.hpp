@@ -21,6 +21,14 @@
 //   long long before = gdr_test_support::live_bytes();
 //   ... make it ...
 //   CHECK(gdr_test_support::live_bytes() - before <= budget);
+//
+// and the largest single request this thread made (counted before it may
+// fail: asking for 512 GiB counts even though it throws), for tests of what
+// a peer's word may make this process allocate:
+//
+//   gdr_test_support::reset_largest_request();
+//   ... serve a hostile peer ...
+//   CHECK(gdr_test_support::largest_request() <= bound);
 // Include it as "tests/support/alloc_failure.hpp" from tests that depend on
 // //tests/support:alloc_failure.
 #pragma once
@@ -39,8 +47,10 @@ namespace alloc_failure_detail {
 inline thread_local long succeed_left = -1;
 inline thread_local long failed = 0;
 inline thread_local long long live = 0;  // bytes allocated minus bytes freed, this thread
+inline thread_local std::size_t largest = 0;  // the largest request since reset_largest_request()
 
 inline void* allocate(std::size_t n) noexcept {
+  if (n > largest) largest = n;
   if (succeed_left == 0) {
     ++failed;
     return nullptr;
@@ -61,6 +71,11 @@ inline void release(void* p) noexcept {
 /// The bytes this thread's operator new allocated minus those this thread's
 /// operator delete freed (usable sizes), since the thread started.
 inline long long live_bytes() noexcept { return alloc_failure_detail::live; }
+
+/// The largest request this thread made through operator new since the
+/// last `reset_largest_request()` (or since it started).
+inline std::size_t largest_request() noexcept { return alloc_failure_detail::largest; }
+inline void reset_largest_request() noexcept { alloc_failure_detail::largest = 0; }
 
 /// While it lives, the calling thread's allocations through operator new
 /// fail (`std::bad_alloc`, or null for the nothrow forms) after the first

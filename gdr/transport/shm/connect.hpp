@@ -16,9 +16,13 @@
 /// reader with SIGBUS), mapped and formatted (ring.hpp), and an eventfd, its
 /// bell. It sends a 48-byte hello (magic "GDRH", version 1, its ring's
 /// size, its pid, a probe word) with both descriptors (`SCM_RIGHTS`), and receives the
-/// peer's. The peer's segment is checked (its seals, its size, a fresh
-/// control block) before it is mapped; anything else fails the handshake
-/// with `errc::protocol_error`. The peer's pid is the kernel's
+/// peer's. The peer's segment is checked (its seals and size before it is
+/// mapped, then a fresh control block whose capacity fits the mapping and
+/// is the hello's); anything else fails the handshake with
+/// `errc::protocol_error`. Both capacities are held in `link_parts` from
+/// then on: the peer maps both segments and may rewrite their capacity
+/// words at any time, and a ring built from such a word would copy frames
+/// past the end of its mapping. The peer's pid is the kernel's
 /// (`SO_PEERCRED`), not what its hello says. Then each side tries to read a
 /// word of the peer's memory whose address and value the peer's hello gave
 /// (`process_vm_readv`), and tells the peer whether it could (one byte
@@ -131,8 +135,9 @@ inline sockaddr_un unix_address(const std::string& name, socklen_t& len) {
   return a;
 }
 
-/// The ring this side writes: a sealed memfd, mapped and formatted.
-inline mapping make_ring(std::size_t want, fd_handle& mem) {
+/// The ring this side writes: a sealed memfd, mapped and formatted for
+/// `capacity` bytes (what `want` rounds to; held here from now on).
+inline mapping make_ring(std::size_t want, fd_handle& mem, std::size_t& capacity) {
   const std::size_t cap = std::clamp<std::size_t>(std::bit_ceil(std::max<std::size_t>(want, 1)), 64 * 1024, std::size_t{1} << 30);
   const std::size_t bytes = segment_bytes(cap);
   mem = fd_handle(::memfd_create("gdr-shm-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
@@ -142,11 +147,14 @@ inline mapping make_ring(std::size_t want, fd_handle& mem) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mem.get(), 0);
   if (p == MAP_FAILED) fail_errno("gdr::shm: mapping the ring");
   ring::format(p, cap);
+  capacity = cap;
   return mapping(p, bytes);
 }
 
-/// Maps the peer's ring from its memfd, after checking it.
-inline mapping map_peer_ring(int fd) {
+/// Maps the peer's ring from its memfd, after checking it; `capacity` is
+/// its capacity as checked (and as its hello said), the one this side uses
+/// from now on.
+inline mapping map_peer_ring(int fd, std::uint64_t hello_bytes, std::size_t& capacity) {
   auto refuse = [](const char* why) -> mapping {
     throw gdr::error(make_error_code(errc::protocol_error), std::string("gdr::shm: the peer's ring ") + why);
   };
@@ -161,7 +169,9 @@ inline mapping map_peer_ring(int fd) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) fail_errno("gdr::shm: mapping the peer's ring");
   mapping m(p, bytes);
-  if (!ring::valid(p, bytes)) return refuse("has no valid control block");
+  capacity = ring::valid_capacity(p, bytes);
+  if (capacity == 0) return refuse("has no valid control block");
+  if (capacity != hello_bytes) return refuse("is not the size its hello says");
   return m;
 }
 
@@ -202,7 +212,7 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
   link_parts parts;
   const std::uint32_t device = device_word(s, o);
   fd_handle mem;
-  parts.tx_segment = make_ring(o.ring_bytes, mem);
+  parts.tx_segment = make_ring(o.ring_bytes, mem, parts.tx_capacity);
   parts.bell = fd_handle(::eventfd(0, EFD_CLOEXEC));
   if (!parts.bell.valid()) fail_errno("gdr::shm: eventfd");
 
@@ -211,7 +221,7 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
     if (::getrandom(&probe, sizeof probe, 0) != static_cast<ssize_t>(sizeof probe)) probe = 0x9e3779b97f4a7c15ull;
   hello_msg mine{hello_magic,
                  1,
-                 ring(parts.tx_segment.get()).capacity(),
+                 parts.tx_capacity,
                  static_cast<std::int32_t>(::getpid()),
                  device,
                  o.single_copy_threshold != 0 ? reinterpret_cast<std::uintptr_t>(&probe) : 0,
@@ -244,7 +254,7 @@ inline task<link_parts> handshake(scheduler& s, fd_handle sock, const endpoint_o
     throw gdr::error(make_error_code(errc::protocol_error),
                      "gdr::shm: the peer speaks version " + std::to_string(theirs.version) + " of the handshake, this side 1");
   parts.device_ipc = agree_device(device, theirs.device);
-  parts.rx_segment = map_peer_ring(peer_mem.get());
+  parts.rx_segment = map_peer_ring(peer_mem.get(), theirs.ring_bytes, parts.rx_capacity);
   parts.peer_bell = std::move(peer_bell);
   ucred cred{};
   socklen_t cl = sizeof cred;

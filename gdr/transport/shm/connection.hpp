@@ -60,9 +60,16 @@
 /// allocation is gone in the ring's `released` bits at its next poll; the
 /// reader closes those descriptors, has its copy engine let the mappings
 /// go (`ipc_release`, once no copy uses them) and clears the bits, and no
-/// descriptor goes into a slot before its bit is clear. So a peer never
-/// keeps memory this side freed. A full socket holds the writer back (`sock_blocked_`,
-/// tried again after 100 us) and nothing else. The reader checks the
+/// descriptor goes into a slot before its bit is clear. When all 16 are
+/// taken, the writer passes a new descriptor into the least recently used
+/// slot and forgets the allocation it held; the reader, taking the new one,
+/// lets the old one go the same way (the writer would never name it when
+/// it is freed). So every allocation the peer may hold mapped is in the
+/// writer's table, or its slot holds a replacement the reader takes with
+/// the frame that names it, and a peer never keeps memory this side freed
+/// (the tables and this invariant: fd_table.hpp). A full socket holds the
+/// writer back (`sock_blocked_`, tried again after 100 us) and nothing
+/// else. The reader checks the
 /// descriptor against the header and the peer, and has its copy engine
 /// copy the bytes straight out of the peer's allocation into their place
 /// (`copy_engine::ipc_copy`: imported once, then cached). It reads on while
@@ -124,6 +131,7 @@
 #include <gdr/sched/poller.hpp>
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transfer/common.hpp>
+#include <gdr/transport/shm/fd_table.hpp>
 #include <gdr/transport/shm/options.hpp>
 #include <gdr/transport/shm/ring.hpp>
 #include <gdr/transport/tcp/frame.hpp>
@@ -144,6 +152,8 @@ struct link_parts {
   fd_handle sock;
   mapping tx_segment;  ///< the ring this side writes (its own memfd)
   mapping rx_segment;  ///< the ring the peer writes
+  std::size_t tx_capacity = 0;  ///< the ring's capacity this side chose
+  std::size_t rx_capacity = 0;  ///< the peer's ring's, as checked at set-up (never read from it again)
   fd_handle bell;       ///< this side's eventfd (read while sleeping)
   fd_handle peer_bell;  ///< the peer's (written to wake it)
   int peer_pid = 0;
@@ -165,8 +175,8 @@ class connection final : public proto::engine {
   /// on `s`'s thread, or before `s` runs. Throws `std::bad_alloc`.
   connection(scheduler& s, link_parts p, memory_registry& reg, const endpoint_options& o)
       : engine(s, reg, o.protocol, stats_, proto::caps::host), parts_(std::move(p)), opts_(o) {
-    tx_ = ring(parts_.tx_segment.get());
-    rx_ = ring(parts_.rx_segment.get());
+    tx_ = ring(parts_.tx_segment.get(), parts_.tx_capacity);
+    rx_ = ring(parts_.rx_segment.get(), parts_.rx_capacity);
     stats_.peer_reads_me = parts_.peer_reads_me;
     stats_.reads_peer = parts_.i_read_peer && parts_.peer_single_copy != 0;
     stats_.device_ipc = parts_.device_ipc;
@@ -255,7 +265,6 @@ class connection final : public proto::engine {
 
   ~connection() override {
     if (polling_) sched().remove_poller(poller_);
-    close_fd_slots();
   }
   void destroy() noexcept override { delete this; }
 
@@ -337,18 +346,6 @@ class connection final : public proto::engine {
   /// The mark of a descriptor frame whose file descriptor the peer holds
   /// already (in the slot the descriptor's first byte names).
   static constexpr std::byte fd_held{3};
-  /// Descriptors of gdr's shareable allocations kept per connection, so
-  /// that one sent again does not pass again: the writer's table says which
-  /// the peer holds in which slot (the least recently used is replaced), and
-  /// the reader's holds them (each closed when replaced, or at the end).
-  static constexpr std::uint32_t fd_slots = 16;
-  struct fd_slot_out {
-    std::uint64_t base = 0, id = 0, used = 0;  // used == 0: empty
-  };
-  struct fd_slot_in {
-    std::uint64_t base = 0, id = 0;
-    int fd = -1;
-  };
   /// Bytes `f` takes in the ring.
   std::size_t ring_bytes(const frame& f) const noexcept {
     if (ipc_out(f)) return wire::header_size + ipc_body;
@@ -365,12 +362,10 @@ class connection final : public proto::engine {
   /// the peer's slot to keep it in.
   bool pass_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept;
   /// Takes the descriptor the peer passed for the frame whose allocation is
-  /// `m` (the next message on the socket) into slot `slot`; -1 when it is
-  /// not there or not that allocation's (a protocol error).
+  /// `m` (the next message on the socket) into slot `slot` (what the slot
+  /// held is let go: fd_table.hpp); -1 when it is not there or not that
+  /// allocation's (a protocol error).
   int take_fd(const copy_engine::ipc_memory& m, std::uint32_t slot) noexcept;
-  /// The slot whose descriptor the peer holds for allocation `m` (true), or
-  /// the one to pass it into (false: empty, or least recently used).
-  bool fd_slot_for(const copy_engine::ipc_memory& m, std::uint32_t& slot) const noexcept;
   /// This process freed an allocation (the copy engine's `ipc_frees`
   /// moved): the slots of the peer's whose allocation is gone are named in
   /// the ring's `released` bits, and emptied here.
@@ -378,10 +373,10 @@ class connection final : public proto::engine {
   /// The peer freed the allocations of the slots in `mask`: their
   /// descriptors and mappings go, and the bits are cleared.
   void take_releases(std::uint32_t mask) noexcept;
-  void close_fd_slots() noexcept {
-    for (fd_slot_in& e : fd_in_)
-      if (e.fd >= 0) ::close(std::exchange(e.fd, -1));
-    fds_in_ = 0;
+  /// The peer's allocation `a` left its slot (freed, or replaced): its
+  /// mapping here goes (once no copy uses it).
+  void let_go(const fd_table_in::allocation& a) noexcept {
+    if (ce_ != nullptr) ce_->ipc_release(parts_.peer_pid, a.base, a.id);
   }
   /// The CUDA IPC frame `f` may go once the work queued on its GPU before
   /// it (the legacy default stream, and its operation's `after` stream) is
@@ -455,11 +450,9 @@ class connection final : public proto::engine {
   bool gpu_busy() const noexcept { return ring_copy_.active || ipc_count_ != 0; }
   /// The reader waits for a GPU copy.
   bool reader_held() const noexcept { return ring_copy_.active || ipc_current_ || rx_waits_copies_; }
-  /// The peer's copies counted one more: tell it.
-  void count_copied() noexcept {
-    auto& copied = rx_.control().copied;
-    copied.store(copied.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
-  }
+  /// The peer's copies counted one more: tell it (the count is kept here:
+  /// the word in the peer's segment is the peer's to scribble on).
+  void count_copied() noexcept { rx_.control().copied.store(++copies_counted_, std::memory_order_seq_cst); }
   void target_done() noexcept {
     rx_target t = std::exchange(tgt_, rx_target{});
     skip_ = t.discard;
@@ -471,6 +464,16 @@ class connection final : public proto::engine {
   void protocol_fail(gdr::tcp::frame_status why) noexcept {
     protocol_reason_ = why;
     on_link_failed(errc::protocol_error);
+  }
+  /// The peer broke a word of the shared memory this side reads (a tail or
+  /// a count out of bounds): the connection fails with protocol_error, at
+  /// once inside an event, else from the loop.
+  void ring_broken() noexcept {
+    if (failed()) return;
+    if (in_handler()) return protocol_fail(gdr::tcp::frame_status::bad_field);
+    protocol_reason_ = gdr::tcp::frame_status::bad_field;
+    fail_due_ = make_error_code(errc::protocol_error);
+    kick();
   }
 
   // ---------------------------------------------------------------- the loop's side
@@ -547,24 +550,21 @@ class connection final : public proto::engine {
   proto::fifo<frame, &frame::prev, &frame::next> dropped_{};  // never written (failed)
   proto::fifo<frame, &frame::prev, &frame::next> sent_{};     // written, waiting for the reader's copies
   std::uint32_t copies_out_ = 0;  // single-copy frames written
-  std::uint64_t copied_seen_ = 0;  // the reader's count when last read
+  std::uint64_t copied_seen_ = 0;  // the reader's count when last read (and checked)
   std::uint32_t tx_seq_ = 0;
   bool held_ = false;            // the constructor's hello and credit: written together
   bool write_deferred_ = false;  // frames posted in a handler, written at its end
   bool close_written_ = false;   // this side's close frame is in the ring
   bool tx_blocked_ = false;      // frames wait for room in the ring
   bool export_failed_ = false;   // a Device payload could not be shared: fail from the loop
-  std::error_code fail_due_;     // the socket refused a descriptor: fail from the loop
+  std::error_code fail_due_;     // the socket refused a descriptor, or the peer broke a shared word: fail from the loop
   bool sock_blocked_ = false;    // the socket is full: a descriptor waits (retried at sock_retry_at_)
   std::chrono::steady_clock::time_point sock_retry_at_{};
   std::byte ipc_out_[ipc_body];  // the descriptor of txq_.head, when it is a CUDA IPC frame
   std::byte ipc_kind_out_{1};    // and its kind (the header's mark)
-  fd_slot_out fd_out_[fd_slots]{};  // the descriptors the peer holds
-  fd_slot_in fd_in_[fd_slots]{};    // the descriptors the peer passed, kept
-  std::uint32_t fds_out_ = 0;       // fd_out_ slots in use
-  std::uint32_t fds_in_ = 0;        // fd_in_ slots holding a descriptor
-  std::uint64_t frees_seen_ = 0;    // the copy engine's ipc_frees() when last looked at
-  std::uint64_t fd_clock_ = 0;
+  fd_table_out fd_out_{};         // which of this side's allocations the peer holds descriptors of (fd_table.hpp)
+  fd_table_in fd_in_{};           // the descriptors the peer passed, kept
+  std::uint64_t frees_seen_ = 0;  // the copy engine's ipc_frees() when last looked at
   gpu_node fence_done_{};
   const frame* fence_for_ = nullptr;  // the frame whose fence runs
   const frame* fenced_ = nullptr;     // the frame whose fence is done (until it is sealed)
@@ -574,6 +574,7 @@ class connection final : public proto::engine {
   rx_target tgt_{};
   std::uint64_t skip_ = 0;
   std::uint32_t rx_seq_ = 0;
+  std::uint64_t copies_counted_ = 0;  // the peer's single-copy and CUDA IPC frames this side copied (`copied`)
   bool rx_paused_ = false;
   bool saw_close_ = false;  // the peer's close frame was read
   bool peer_gone_ = false;  // the socket hung up: the peer ended (in order or not)

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -31,50 +32,18 @@ struct body {
 };
 }  // namespace fd_msg
 
-inline bool connection::fd_slot_for(const copy_engine::ipc_memory& m, std::uint32_t& slot) const noexcept {
-  // Not a slot the peer has yet to let go (its allocation was freed).
-  const std::uint32_t pending = tx_.control().released.load(std::memory_order_acquire);
-  std::uint32_t pick = fd_slots;
-  for (std::uint32_t i = 0; i < fd_slots; ++i) {
-    const fd_slot_out& e = fd_out_[i];
-    if (e.used != 0 && e.base == m.base && e.id == m.buffer_id) {
-      slot = i;
-      return true;
-    }
-    if ((pending & (1u << i)) != 0) continue;
-    if (pick == fd_slots || e.used < fd_out_[pick].used) pick = i;  // an empty one (0) first, else the least recently used
-  }
-  slot = pick;  // fd_slots: every slot waits for the peer (export_ipc tries again soon)
-  return false;
-}
-
 inline void connection::note_frees() noexcept {
   frees_seen_ = ce_->ipc_frees();
-  std::uint32_t mask = 0;
-  for (std::uint32_t i = 0; i < fd_slots; ++i) {
-    fd_slot_out& e = fd_out_[i];
-    if (e.used == 0 || ce_->ipc_alive(e.base, e.id)) continue;
-    e = {};
-    --fds_out_;
-    mask |= 1u << i;
-    ++stats_.fds_released;
-  }
+  const std::uint32_t mask =
+      fd_out_.take_freed([&](std::uint64_t base, std::uint64_t id) { return ce_->ipc_alive(base, id); });
   if (mask == 0) return;
+  stats_.fds_released += static_cast<std::uint64_t>(std::popcount(mask));
   tx_.control().released.fetch_or(mask, std::memory_order_release);
   if (take_waiter(tx_.control().reader_waiting)) ring_peer();
 }
 
 inline void connection::take_releases(std::uint32_t mask) noexcept {
-  for (std::uint32_t i = 0; i < fd_slots; ++i) {
-    if ((mask & (1u << i)) == 0) continue;
-    fd_slot_in& e = fd_in_[i];
-    if (e.fd < 0) continue;
-    if (ce_ != nullptr) ce_->ipc_release(parts_.peer_pid, e.base, e.id);
-    ::close(e.fd);
-    e = {};
-    --fds_in_;
-    ++stats_.fds_let_go;
-  }
+  stats_.fds_let_go += fd_in_.release(mask, [&](const fd_table_in::allocation& a) { let_go(a); });
   rx_.control().released.fetch_and(~mask, std::memory_order_acq_rel);
   if (take_waiter(rx_.control().writer_waiting)) ring_peer();  // a writer waiting for a slot
 }
@@ -119,16 +88,18 @@ inline int connection::take_fd(const copy_engine::ipc_memory& m, std::uint32_t s
   }
   // The peer passed it before it wrote the frame: it is here, and it is
   // the allocation the frame names, or the peer broke the protocol.
-  if (n != static_cast<ssize_t>(sizeof b) || in.truncated() || fd < 0 ||
-      b.buffer_id != m.buffer_id || b.base != m.base || b.slot != slot || slot >= fd_slots) {
+  if (n != static_cast<ssize_t>(sizeof b) || in.truncated() || fd < 0 || b.buffer_id != m.buffer_id ||
+      b.base != m.base || b.slot != slot) {
     if (fd >= 0) ::close(fd);
     return -1;
   }
-  // Kept in its slot (the one there before is no longer the writer's).
-  fd_slot_in& e = fd_in_[slot];
-  if (e.fd >= 0) ::close(e.fd);
-  else ++fds_in_;
-  e = {m.base, m.buffer_id, fd};
+  // Kept in its slot. What the slot held goes: the writer passed this one
+  // into it and forgot that one, so it goes now or never (fd_table.hpp).
+  const bool kept = fd_in_.take(slot, m.base, m.buffer_id, fd, [&](const fd_table_in::allocation& a) {
+    let_go(a);
+    ++stats_.fds_replaced;
+  });
+  if (!kept) return -1;  // a slot out of range (the descriptor is closed)
   ++stats_.fds_taken;
   return fd;
 }

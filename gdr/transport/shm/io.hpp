@@ -1,8 +1,9 @@
 /// \file
 /// The shared-memory connection's members: the writer (frames into the
 /// ring), the reader (frames out of the peer's ring), the loop's side (the
-/// poller, the bell), and the end (the socket's hang-up, the orderly close,
-/// the linger bound). The design is in connection.hpp.
+/// poller, the bell); the end is in ending.hpp, the descriptors in
+/// descriptors.hpp, the GPU copies in gpu_copies.hpp. The design is in
+/// connection.hpp.
 #pragma once
 
 #include <liburing.h>
@@ -19,6 +20,7 @@
 #include <gdr/protocol/engine/event_scope.hpp>
 #include <gdr/transport/shm/connection.hpp>
 #include <gdr/transport/shm/descriptors.hpp>
+#include <gdr/transport/shm/ending.hpp>
 #include <gdr/transport/shm/gpu_copies.hpp>
 
 namespace gdr::detail::shm {
@@ -84,7 +86,10 @@ inline void connection::write_some(bool in_event) noexcept {
     const bool ipc = ipc_out(*f);
     const std::size_t total = ring_bytes(*f);
     std::size_t room = tx_.room(total - f->written);
-    if (room == 0) break;
+    if (room == 0) {
+      if (tx_.corrupt()) ring_broken();
+      break;
+    }
     if (!f->sealed) {
       if (ipc && (!fence(*f) || !export_ipc(*f))) break;
       fenced_ = nullptr;
@@ -174,9 +179,14 @@ inline bool connection::export_ipc(const frame& f) noexcept {
   std::uint32_t slot = 0;
   if (m.kind == copy_engine::ipc_kind::fd) {
     // Passed once: the peer keeps it in a slot while it is among the last
-    // 16 this side passed.
-    if (fd_slot_for(m, slot)) {
+    // 16 this side passed (never in a slot the peer has yet to let go: its
+    // allocation was freed).
+    const fd_table_out::lookup at =
+        fd_out_.find(m.base, m.buffer_id, tx_.control().released.load(std::memory_order_acquire));
+    slot = at.slot;
+    if (at.held) {
       ipc_kind_out_ = fd_held;
+      fd_out_.touch(slot);
     } else if (slot == fd_slots) {
       // Every slot is one the peer has yet to let go: soon.
       sock_blocked_ = true;
@@ -184,10 +194,8 @@ inline bool connection::export_ipc(const frame& f) noexcept {
       return false;
     } else {
       if (!pass_fd(m, slot)) return false;
-      if (fd_out_[slot].used == 0) ++fds_out_;
-      fd_out_[slot] = {m.base, m.buffer_id, 0};
+      fd_out_.put(slot, m.base, m.buffer_id);  // (what the slot held, the peer lets go as it takes this one)
     }
-    fd_out_[slot].used = ++fd_clock_;
   }
   m.to_wire(ipc_out_);
   ipc_out_[0] = static_cast<std::byte>(slot);  // (the handle's place: unused by a descriptor)
@@ -226,7 +234,14 @@ inline void connection::written(frame& f, bool in_event) noexcept {
 }
 
 inline void connection::settle_copied(bool in_event) noexcept {
-  copied_seen_ = tx_.control().copied.load(std::memory_order_seq_cst);
+  // The reader's count, loaded once: it only grows, and never past the
+  // copies written (else the peer broke it).
+  const std::uint64_t now = tx_.control().copied.load(std::memory_order_seq_cst);
+  if (static_cast<std::uint32_t>(now - copied_seen_) > copies_out_ - static_cast<std::uint32_t>(copied_seen_)) {
+    ring_broken();
+    return;
+  }
+  copied_seen_ = now;
   const auto copied = static_cast<std::uint32_t>(copied_seen_);
   while (frame* f = sent_.head) {
     if (static_cast<std::int32_t>(f->seq - copied) > 0) break;  // not yet (counts mod 2^32)
@@ -263,7 +278,7 @@ inline void connection::release_sent() noexcept {
   const bool mapped = tx_.capacity() != 0;
   std::uint64_t at = tx_.position() - (txq_.head != nullptr ? txq_.head->written : 0);
   for (const frame* f = sent_.head; f != nullptr; f = f->next) at -= ring_bytes(*f);
-  const std::uint64_t read_to = mapped ? tx_.control().tail.load(std::memory_order_seq_cst) : at;
+  const std::uint64_t read_to = mapped ? tx_.peer_tail() : at;  // (checked: a broken one reads as the last good one)
   while (frame* f = sent_.pop_front()) {
     at += ring_bytes(*f);
     const bool copy = single_copy_out(*f) || ipc_out(*f);
@@ -366,6 +381,7 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   // this frame: take them first (a close frame must not fail a send whose
   // bytes the peer already has).
   if (!sent_.empty()) settle_copied(true);
+  if (failed()) return false;  // (the count was broken)
   proto::rx_plan plan = on_header(r.header);
   switch (plan.act) {
     case proto::rx_plan::action::pause:
@@ -385,9 +401,7 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
       m.kind = copy_engine::ipc_kind::fd;
       const auto slot = static_cast<std::uint32_t>(m.handle[0]);
       if (mark == fd_held) {
-        // Passed before and kept: it must be that allocation's.
-        const fd_slot_in* e = slot < fd_slots ? &fd_in_[slot] : nullptr;
-        m.fd = e != nullptr && e->fd >= 0 && e->base == m.base && e->id == m.buffer_id ? e->fd : -1;
+        m.fd = fd_in_.held(slot, m.base, m.buffer_id);  // passed before and kept: it must be that allocation's
       } else {
         m.fd = take_fd(m, slot);
       }
@@ -517,17 +531,17 @@ inline poll_status connection::poll_ring() noexcept {
   if (!live_) return {};
   // An allocation whose descriptor the peer holds was freed: the peer
   // hears of it (only where this side passed any).
-  if (fds_out_ != 0 && ce_->ipc_frees() != frees_seen_) note_frees();
+  if (fd_out_.in_use() != 0 && ce_->ipc_frees() != frees_seen_) note_frees();
   bool corrupt = false;
   const bool rx_ready = reading() && (rx_.readable(corrupt) != 0 || corrupt);
   // A descriptor the full socket refused is tried again after a while,
   // at every poll when busy-polling.
-  const bool tx_ready = tx_blocked_ && !failed() && tx_.room() != 0 &&
+  const bool tx_ready = tx_blocked_ && !failed() && (tx_.room() != 0 || tx_.corrupt()) &&
                         (!sock_blocked_ || sched().mode() == run_mode::busy_poll ||
                          std::chrono::steady_clock::now() >= sock_retry_at_);
   const bool copies_ready =
       !sent_.empty() && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_;
-  const std::uint32_t released = fds_in_ != 0 ? rx_.control().released.load(std::memory_order_acquire) : 0;
+  const std::uint32_t released = fd_in_.in_use() != 0 ? rx_.control().released.load(std::memory_order_acquire) : 0;
   if (rx_ready || tx_ready || copies_ready || released != 0) {
     {
       proto::event_scope ev(*this);
@@ -552,9 +566,9 @@ inline poll_status connection::arm() noexcept {
   if (want_rx) announce_wait(rx_.control().reader_waiting);
   if (want_tx || want_copies) announce_wait(tx_.control().writer_waiting);
   bool corrupt = false;
-  if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && tx_.room() != 0) ||
+  if ((want_rx && (rx_.readable(corrupt) != 0 || corrupt)) || (want_tx && (tx_.room() != 0 || tx_.corrupt())) ||
       (want_copies && tx_.control().copied.load(std::memory_order_seq_cst) != copied_seen_) ||
-      (fds_in_ != 0 && rx_.control().released.load(std::memory_order_acquire) != 0))
+      (fd_in_.in_use() != 0 && rx_.control().released.load(std::memory_order_acquire) != 0))
     return {.did_work = true};
   arm_bell();
   if (!bell_inflight_) return {.sleep_bound = std::chrono::milliseconds(1)};  // no SQE: look again soon
@@ -592,147 +606,6 @@ inline void connection::on_kick(remote_work* w) noexcept {
   if (!c->sent_.empty()) c->settle_copied(true);
   if (c->reading()) c->pump();
   if (c->tx_blocked_) c->write_some(true);
-  c->on_io_done();
-}
-
-// ------------------------------------------------------------------ the end
-
-inline void connection::arm_watch() noexcept {
-  io_uring_sqe* sqe = sched().get_sqe();
-  if (sqe == nullptr) return;  // unreachable with sane ring sizes; the peer's end is then unseen
-  io_uring_prep_poll_add(sqe, parts_.sock.get(), POLLRDHUP);
-  io_uring_sqe_set_data(sqe, static_cast<operation*>(&watch_op_));
-  sched().note_submitted();
-  watch_inflight_ = true;
-}
-
-inline void connection::on_watch(operation* o, int res, std::uint32_t) noexcept {
-  connection* c = static_cast<conn_op*>(o)->self;
-  proto::event_scope ev(*c);
-  c->watch_inflight_ = false;
-  const bool cancelled = std::exchange(c->watch_cancelled_, false) || res == -ECANCELED;
-  if (!cancelled) {
-    c->peer_gone_ = true;
-    // Its mappings go (each once no copy uses it): an allocation of a
-    // process that ended is never read again, and its pid may come back.
-    if (c->ce_ != nullptr) c->ce_->ipc_forget(c->parts_.peer_pid);
-    // What the peer wrote before it ended is read first: while the reader
-    // waits for a GPU copy, its end is taken at the copy's completion.
-    if (c->gpu_busy()) c->hangup_due_ = true;
-    else c->peer_ended();
-  }
-  c->return_finished();
-  c->on_io_done();
-}
-
-inline void connection::peer_ended() noexcept {
-  // The copies the peer counted before it ended are done, whatever else.
-  if (!sent_.empty()) settle_copied(true);
-  if (ending_) {
-    pump();
-    end_done();
-  } else if (live_ && !failed()) {
-    // What the peer wrote (still in the ring).
-    const bool all_copied = sent_.empty();
-    if (reading()) pump();
-    if (gpu_busy()) {
-      hangup_due_ = true;  // a GPU copy runs again: go on when none does
-      return;
-    }
-    // An orderly end: the peer's close frame came (or is in what the
-    // paused reader has not read), or this side's close frame is out and
-    // the peer copied everything before it (its end answers the close;
-    // this side's close goes on to link_close, which finds it gone).
-    const bool orderly = saw_close_ || (close_written_ && all_copied) ||
-                         (rx_paused_ && unread_ends_with_close());
-    if (!failed() && !orderly) on_link_failed(errc::connection_lost);
-  }
-  // The peer ended its half: it copies nothing more from this side (a
-  // side ends its socket before it stops, and copies nothing after), so
-  // what it did not copy is released, and the bounce buffers and the
-  // reader's pause that waited on those frames go on.
-  release_sent();
-  // A shut-down connection that held them for the peer's end (the linger
-  // timer as its bound) has nothing left to wait for.
-  if (!live_ && !ending_) end_linger();
-}
-
-inline void connection::end_done() noexcept {
-  ending_ = false;
-  live_ = false;
-  end_linger();
-  cancel_bell();
-  drop_unsent();
-}
-
-inline void connection::link_shutdown() noexcept {
-  rx_paused_ = false;
-  ending_ = false;
-  live_ = false;
-  cancel_bell();
-  if (!sent_.empty() && !peer_gone_ && watch_inflight_ && parts_.sock.valid()) {
-    // The peer may be copying from the payloads of `sent_`: end this side's
-    // half only (the peer sees the hang-up at once and stops), and release
-    // them at the peer's end (the watch) or after the bound (the linger
-    // timer, which then shuts both halves).
-    end_socket(SHUT_WR);
-    if (!linger_inflight_) arm_linger(hold_bound());
-  } else {
-    end_linger();
-    // The peer sees the hang-up at once; this side's watch returns too.
-    end_socket(SHUT_RDWR);
-  }
-  drop_unsent();
-}
-
-inline bool connection::link_close() noexcept {
-  rx_paused_ = false;
-  if (!live_ || !parts_.sock.valid()) return false;
-  end_socket(SHUT_WR);
-  drop_unsent();
-  ending_ = true;
-  if (peer_gone_ || !watch_inflight_) {
-    end_done();
-    return true;
-  }
-  arm_linger(opts_.close_linger);
-  kick();  // read and drop what the peer still writes
-  return true;
-}
-
-inline void connection::link_release() noexcept {
-  live_ = false;
-  tx_ = ring{};
-  rx_ = ring{};
-  parts_.tx_segment.reset();
-  parts_.rx_segment.reset();
-  parts_.bell.reset();
-  parts_.peer_bell.reset();
-  parts_.sock.reset();
-  close_fd_slots();
-}
-
-inline void connection::arm_linger(std::chrono::milliseconds bound) noexcept {
-  if (bound.count() <= 0) return;
-  io_uring_sqe* sqe = sched().get_sqe();
-  if (sqe == nullptr) return;  // the close's own timeout bounds the end
-  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count();
-  linger_ts_.tv_sec = ns / 1000000000;
-  linger_ts_.tv_nsec = ns % 1000000000;
-  io_uring_prep_timeout(sqe, &linger_ts_, 0, 0);
-  io_uring_sqe_set_data(sqe, static_cast<operation*>(&linger_op_));
-  sched().note_submitted();
-  linger_inflight_ = true;
-}
-
-inline void connection::on_linger(operation* o, int, std::uint32_t) noexcept {
-  connection* c = static_cast<conn_op*>(o)->self;
-  proto::event_scope ev(*c);
-  c->linger_inflight_ = false;
-  c->linger_cancelled_ = false;
-  // Still ending, or still holding payloads the peer might copy: the peer
-  // did not end in time. Both halves down: the watch returns and ends it.
-  if (c->ending_ || !c->sent_.empty()) c->end_socket(SHUT_RDWR);
   c->on_io_done();
 }
 

@@ -100,6 +100,7 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t fd_socket_full = 0; ///< times a descriptor waited: the peer had not taken those before it
   std::uint64_t fds_released = 0;   ///< descriptors the peer held whose allocation this side freed: it was told
   std::uint64_t fds_let_go = 0;     ///< descriptors (and mappings) let go because the peer freed their allocation
+  std::uint64_t fds_replaced = 0;   ///< descriptors (and mappings) let go because the peer passed another allocation's into their slot
   std::uint64_t ring_gpu_copies = 0;  ///< pieces of host payloads copied from the ring into Device memory
   bool device_ipc = false;          ///< Device memory moves by CUDA IPC on this endpoint (else staged)
 };

@@ -779,6 +779,11 @@ std::vector<std::size_t> exchange_sizes() {
 
 constexpr std::size_t kill_size = staged::real_gpu ? std::size_t{256} << 20 : std::size_t{32} << 20;
 
+/// The "many-freed" scenario: this many distinct shareable allocations,
+/// of this size, alive at once (more than the 16 descriptor slots).
+constexpr int many_count = 40;
+constexpr std::size_t many_size = 64 * 1024;
+
 /// The peer's side of each scenario; false: something was wrong.
 gdr::task<bool> peer_body(shm::endpoint& ep, const std::string& scenario) {
   if (scenario == "exchange") {
@@ -819,6 +824,24 @@ gdr::task<bool> peer_body(shm::endpoint& ep, const std::string& scenario) {
       if ((co_await report_of(ep.send(gdr::view<std::uint64_t, gdr::Host>(&where, 1), tag{2}))).error) co_return false;
     }
     co_return true;
+  }
+  if (scenario == "many-freed") {
+    // Distinct shareable allocations, all alive, each sent once (24 of
+    // them lose their descriptor slot to later ones on the way), then all
+    // freed; then a word that they are, and this side stays until the
+    // parent has looked (its end would let every mapping go anyway).
+    {
+      std::vector<std::unique_ptr<staged::dev_mem>> bufs;
+      for (int i = 0; i < many_count; ++i) {
+        bufs.push_back(std::make_unique<staged::dev_mem>(many_size, 0, staged::dev_alloc::shareable));
+        bufs.back()->fill(pattern(many_size, 300 + static_cast<std::uint32_t>(i)));
+        if ((co_await report_of(ep.send(bufs.back()->view(), tag{1}))).error) co_return false;
+      }
+    }
+    std::uint32_t freed = many_count, seen = 0;
+    if ((co_await report_of(ep.send(gdr::view<std::uint32_t, gdr::Host>(&freed, 1), tag{2}))).error) co_return false;
+    if ((co_await report_of(ep.recv(gdr::view<std::uint32_t, gdr::Host>(&seen, 1), tag{3}))).error) co_return false;
+    co_return seen == freed;
   }
   if (scenario == "send-forever" || scenario == "recv-forever") {
     staged::dev_mem m(kill_size);
@@ -880,7 +903,7 @@ void with_peer(const std::string& scenario, Body body, pid_t* peer_out = nullptr
   }());
   sched.drain();
   int st = wait_exit(pid);
-  if (scenario == "exchange" || scenario == "reuse" || scenario == "other-gpu") {
+  if (scenario == "exchange" || scenario == "reuse" || scenario == "other-gpu" || scenario == "many-freed") {
     CHECK(WIFEXITED(st));
     CHECK(WEXITSTATUS(st) == 0);
   }
@@ -974,6 +997,51 @@ TEST_CASE("an allocation freed and made again at the same address between two se
     co_await ep.close();
   });
   });
+}
+
+TEST_CASE("40 distinct shareable allocations sent and freed: the importer keeps none mapped, not those that lost their slot") {
+  // More allocations than descriptor slots: each of the last 24 takes the
+  // slot of an earlier one. The earlier ones were never named in a free
+  // notice (the owner's table had forgotten them), so the importer kept
+  // them mapped, and a mapping keeps the GPU memory alive: 24 of 40 were.
+  // Now the importer lets an allocation go when its slot is taken.
+  IPC_REQUIRE_DEVICE();
+  if (std::string why = cross_process_unavailable(); !why.empty()) GDR_SKIP(why);
+  staged::default_alloc = staged::dev_alloc::shareable;  // (the peer's allocations are shareable either way)
+  with_peer("many-freed", [](shm::endpoint& ep, staged::env& env, pid_t) -> gdr::task<> {
+    staged::dev_mem in(many_size);
+    for (int i = 0; i < many_count; ++i) {
+      CAPTURE(i);
+      op_report r = co_await report_of(ep.recv(in.view(), tag{1}));
+      CHECK(!r.error);
+      CHECK(r.path == transfer_path::cuda_ipc);
+      CHECK(in.read() == pattern(many_size, 300 + static_cast<std::uint32_t>(i)));
+    }
+    std::uint32_t freed = 0;
+    CHECK(co_await ep.recv(gdr::view<std::uint32_t, gdr::Host>(&freed, 1), tag{2}) == sizeof freed);
+    CHECK(freed == static_cast<std::uint32_t>(many_count));
+    CHECK(ep.stats().fds_taken == static_cast<std::uint64_t>(many_count));
+    CHECK(ep.stats().fds_replaced == static_cast<std::uint64_t>(many_count) - 16);
+    // The 16 still in their slots are named by the owner's free notice.
+    CHECK(co_await conformance::eventually(ep.get_scheduler(), [&] { return ep.stats().fds_let_go == 16; }));
+#if GDR_HAS_CUDA
+    (void)env;
+    gdr::cuda::event_poller* ev = gdr::cuda::event_poller::of(ep.get_scheduler());
+    REQUIRE(ev != nullptr);
+    MESSAGE("mapped from descriptors " << ev->ipc().stats().fd_imports << ", let go " << ev->ipc().stats().released
+                                       << ", open now " << ev->ipc().size());
+    CHECK(co_await conformance::eventually(ep.get_scheduler(), [&] { return ev->ipc().size() == 0; }));
+    CHECK(ev->ipc().stats().released == static_cast<std::uint64_t>(many_count));
+#else
+    CHECK(env.ce.fd_imports == static_cast<std::size_t>(many_count));
+    CHECK(co_await conformance::eventually(ep.get_scheduler(), [&] { return env.ce.mapped() == 0; }));
+    CHECK(env.ce.ipc_releases == static_cast<std::size_t>(many_count));
+#endif
+    std::uint32_t seen = freed;
+    CHECK(!(co_await report_of(ep.send(gdr::view<std::uint32_t, gdr::Host>(&seen, 1), tag{3}))).error);
+    co_await ep.close();
+  });
+  staged::default_alloc = staged::dev_alloc::plain;
 }
 
 TEST_CASE("the owner or the importer killed in the middle of a CUDA IPC copy: pending operations fail within 2 s, the survivor goes on") {

@@ -145,13 +145,14 @@ gdr::task<bool> exchange(shm::endpoint& ep, std::uint32_t me, std::uint32_t tags
 }  // namespace
 
 TEST_CASE("the ring copies across its end and refuses a counter that claims more than it holds") {
+  namespace d = gdr::detail::shm;
   constexpr std::size_t cap = 4096;
-  std::vector<std::byte> seg(gdr::detail::shm::segment_bytes(cap) + 64);
+  std::vector<std::byte> seg(d::segment_bytes(cap) + 64);
   void* base = seg.data() + (64 - reinterpret_cast<std::uintptr_t>(seg.data()) % 64) % 64;
-  gdr::detail::shm::ring::format(base, cap);
-  REQUIRE(gdr::detail::shm::ring::valid(base, gdr::detail::shm::segment_bytes(cap)));
-  CHECK_FALSE(gdr::detail::shm::ring::valid(base, gdr::detail::shm::segment_bytes(cap) - 1));
-  gdr::detail::shm::ring w(base), r(base);
+  d::ring::format(base, cap);
+  REQUIRE(d::ring::valid_capacity(base, d::segment_bytes(cap)) == cap);
+  CHECK(d::ring::valid_capacity(base, d::segment_bytes(cap) - 1) == 0);
+  d::ring w(base, cap), r(base, cap);
   bool corrupt = false;
   std::size_t total = 0;
   for (std::uint32_t round = 0; round < 50; ++round) {
@@ -170,10 +171,82 @@ TEST_CASE("the ring copies across its end and refuses a counter that claims more
   }
   CHECK(total > 4 * cap);  // went round several times
   CHECK(w.room(cap) == cap);
-  // A head that runs more than a ring ahead of the reader: corrupt.
+  // A head that runs more than a ring ahead of the reader, or behind it: corrupt.
   w.control().head.store(r.position() + cap + 1);
   CHECK(r.readable(corrupt) == 0);
   CHECK(corrupt);
+  w.control().head.store(r.position() - 1);
+  CHECK(r.readable(corrupt) == 0);
+  CHECK(corrupt);
+  w.publish();
+  CHECK(r.readable(corrupt) == 0);
+  CHECK_FALSE(corrupt);
+  CHECK_FALSE(w.corrupt());
+}
+
+TEST_CASE("the ring's capacity is the one checked at set-up, whatever the segment's word says later") {
+  namespace d = gdr::detail::shm;
+  constexpr std::size_t cap = 4096;
+  std::vector<std::byte> seg(d::segment_bytes(cap) + 128);  // (64 for the alignment, 64 for the canary)
+  void* base = seg.data() + (64 - reinterpret_cast<std::uintptr_t>(seg.data()) % 64) % 64;
+  d::ring::format(base, cap);
+  auto& c = *static_cast<d::ring_control*>(base);
+  // Words a peer may write before the check: each refused.
+  for (std::uint64_t bad : {std::uint64_t{0}, std::uint64_t{2048}, std::uint64_t{cap + 1}, std::uint64_t{2 * cap},
+                            ~std::uint64_t{0}, std::uint64_t{1} << 63}) {
+    CAPTURE(bad);
+    c.capacity.store(bad);
+    CHECK(d::ring::valid_capacity(base, d::segment_bytes(cap)) == 0);
+  }
+  c.capacity.store(cap);
+  const std::size_t checked = d::ring::valid_capacity(base, d::segment_bytes(cap));
+  REQUIRE(checked == cap);
+  // After the check the peer makes it 1 GiB: the writer still wraps at
+  // 4 KiB, inside the mapping (the bytes just past the data are a canary).
+  c.capacity.store(std::uint64_t{1} << 30);
+  std::byte* canary = static_cast<std::byte*>(base) + d::segment_bytes(cap);
+  std::memset(canary, 0x5a, 64);
+  d::ring w(base, checked), r(base, checked);
+  CHECK(w.capacity() == cap);
+  for (std::uint32_t round = 0; round < 20; ++round) {
+    auto p = pattern(3000, round);
+    REQUIRE(w.room(p.size()) == cap);
+    w.put(p.data(), p.size());
+    w.publish();
+    bool corrupt = false;
+    REQUIRE(r.readable(corrupt) == p.size());
+    std::vector<std::byte> out(p.size());
+    r.peek(out.data(), 0, out.size());
+    r.consume(out.size());
+    r.release();
+    CHECK(out == p);
+  }
+  for (int i = 0; i < 64; ++i) CHECK(canary[i] == std::byte{0x5a});
+}
+
+TEST_CASE("the writer refuses a tail behind the last one it saw or past what it wrote") {
+  namespace d = gdr::detail::shm;
+  constexpr std::size_t cap = 4096;
+  for (int how = 0; how < 3; ++how) {
+    CAPTURE(how);
+    std::vector<std::byte> seg(d::segment_bytes(cap) + 64);
+    void* base = seg.data() + (64 - reinterpret_cast<std::uintptr_t>(seg.data()) % 64) % 64;
+    d::ring::format(base, cap);
+    d::ring w(base, cap);
+    auto p = pattern(3000, 1);
+    w.put(p.data(), p.size());
+    w.publish();
+    w.control().tail.store(2000);  // the reader took 2000 bytes
+    CHECK(w.room(cap) == cap - 1000);
+    CHECK_FALSE(w.corrupt());
+    // Then: back to 1000, past what was written, or far away.
+    const std::uint64_t bad[] = {1000, 3001, std::uint64_t{1} << 40};
+    w.control().tail.store(bad[how]);
+    CHECK(w.room(cap) == 0);
+    CHECK(w.corrupt());
+    CHECK(w.room(1) == 0);  // for good
+    CHECK(w.peer_tail() == 2000);  // the last good one
+  }
 }
 
 TEST_CASE("two processes exchange messages of every size on several tags, both ways at once, in both run modes") {
