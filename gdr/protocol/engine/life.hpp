@@ -27,7 +27,8 @@ namespace gdr::detail::proto {
 
 inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options& o, protocol_stats& stats,
                       std::uint64_t caps)
-    : sched_(&s), sched_alive_(s.alive_flag()), registry_(&reg), opts_(o), stats_(&stats) {
+    : sched_(&s), sched_alive_(s.alive_flag()), registry_(&reg), opts_(o), stats_(&stats),
+      answers_(o.unexpected_messages) {
   if (opts_.rendezvous_threshold > opts_.max_message) opts_.rendezvous_threshold = opts_.max_message;
   // Room is granted back in quarters of the peer's budget (maybe_grant).
   grant_bytes_ = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
@@ -91,6 +92,8 @@ inline std::string engine::describe() const {
          std::to_string(send_bytes_credit_) + " holds " + std::to_string(order_holds_) + (paused_ ? " PAUSED" : "") +
          " early " + std::to_string(early_.size);
   if (!deferred_.empty()) out += " deferred " + std::to_string(deferred_.size());
+  if (answers_.held() != 0) out += " answers " + std::to_string(answers_.held());
+  if (withdrawals_.announcements() != 0) out += " withdrawn " + std::to_string(withdrawals_.announcements());
   list("held", held_);
   list("announced", announced_);
   list("recvs", recvs_);
@@ -111,6 +114,11 @@ inline std::string engine::describe() const {
   pool("tx", tx_);
   pool("rx", rx_);
   return out;
+}
+
+inline bool engine::deletable() const noexcept {
+  return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && outbox_head_ == nullptr &&
+         deferred_.empty() && link_quiet();
 }
 
 inline void engine::abandon() noexcept {
@@ -296,19 +304,17 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
     case op::stage::awaiting:
       if (o.kind_ == op::kind::recv) {
         // The data will come: drop it.
-        if (!error_) remember(dropped_tokens_, o.id_);
+        if (!error_) remembered(withdrawals_.remember_token(o.id_));
       } else if (!error_ && !o.segmented()) {
         // A request the peer has (or will have) seen: its answer must be
         // recognised and dropped.
-        remember(dropped_answers_, o.id_);
+        remembered(withdrawals_.remember_answer(o.id_));
       }
       break;
     case op::stage::announced:
-    case op::stage::withdrawing:
-      // A send ended by a frame that did not go (its rts_cancel, after the
-      // peer's end): the peer's rtr or rts_withdrawn may still be in what
-      // this side has not read, and is dropped when it comes.
-      if (!error_) remember(dropped_answers_, o.id_);
+      // No rtr has come: withdrawn here, whatever the peer does; its
+      // announcement tells the peer and answers a late rtr.
+      end_announcement(o);
       break;
     default: break;
   }
@@ -338,7 +344,7 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
     // Answers to the requests out will be dropped; requests not yet
     // written are taken back when it finishes (release_segments), each
     // one answer fewer to drop.
-    remember_range(o.id_, o.id_ + o.nseg_, o.out_);
+    remembered(withdrawals_.remember_range(o.id_, o.id_ + o.nseg_, o.out_));
     o.answers_dropped_ = true;
   }
   if (o.placing_ && (cur_.kind == target::op_payload || cur_.kind == target::via_host) && cur_.o == &o)
@@ -351,8 +357,8 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
 
 inline void engine::try_finish(op& o) noexcept {
   if (!o.result_set_ || o.finished_ || o.placing_) return;
-  const bool calls_link = held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_) || o.slots_ != 0 ||
-                          o.direct_out_ || o.kind_ == op::kind::close;
+  const bool calls_link = held_by_link(o.f1_) || held_by_link(o.f2_) || o.slots_ != 0 || o.direct_out_ ||
+                          o.kind_ == op::kind::close;
   if (!calls_link) {
     // Nothing of it is with the transport (a small message's usual end).
     if (o.copies_ == 0) finish_unlinked(o);
@@ -372,7 +378,7 @@ inline void engine::try_finish(op& o) noexcept {
 
 inline void engine::finish_now(op& o) noexcept {
   if (!o.result_set_ || o.finished_ || o.placing_) return;
-  if (held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_)) {
+  if (held_by_link(o.f1_) || held_by_link(o.f2_)) {
     if (!frames_released(o)) return;
   }
   // A direct operation the NIC has: on_direct_done finishes it.
@@ -398,7 +404,7 @@ inline void engine::finish_unlinked(op& o) noexcept {
 }
 
 inline bool engine::frames_released(op& o) noexcept {
-  for (frame* f : {&o.f1_, &o.f2_, &o.f3_}) {
+  for (frame* f : {&o.f1_, &o.f2_}) {
     if (!held_by_link(*f)) continue;
     // An rtr is never withdrawn: the sender waits for it (the data it
     // brings is dropped).
@@ -410,19 +416,8 @@ inline bool engine::frames_released(op& o) noexcept {
   return true;
 }
 
-inline void engine::remember(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept {
-  try {
-    v.push_back(id);
-  } catch (...) {
-    fail(errno_code(ENOMEM));
-  }
-}
-
-inline bool engine::forget(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept {
-  auto it = std::find(v.begin(), v.end(), id);
-  if (it == v.end()) return false;
-  v.erase(it);
-  return true;
+inline void engine::remembered(bool ok) noexcept {
+  if (!ok) fail(errno_code(ENOMEM));
 }
 
 inline void engine::fail(std::error_code ec, bool in_order) noexcept {
@@ -461,9 +456,14 @@ inline void engine::fail(std::error_code ec, bool in_order) noexcept {
     m = next;
   }
   drop_waiting_gets();
-  dropped_tokens_.clear();
-  dropped_answers_.clear();
-  dropped_ranges_.clear();
+  // Nothing late comes any more; an announcement whose frame the
+  // transport still holds is freed when it comes back.
+  withdrawals_.clear_ids();
+  while (announcement* a = withdrawals_.pop()) {
+    a->st = announcement::state::over;
+    a->next = announcement::due::none;
+    if (!held_by_link(*a)) delete a;
+  }
   // Deferred placements: their operations fail now and finish when the
   // transport gives the memory back (on_deferred_placed).
   for (const auto& d : deferred_)

@@ -182,7 +182,7 @@ inline rx_plan engine::rx_answer(const header& h) noexcept {
   op* o = rma_.head;
   while (o != nullptr && !(h.id >= o->id_ && h.id - o->id_ < o->nseg_)) o = o->next_;
   if (o == nullptr) {
-    if (forget(dropped_answers_, h.id) || forget_in_range(h.id)) return drop(h.length);  // a cancelled request's answer
+    if (withdrawals_.forget_answer(h.id) || withdrawals_.forget_in_range(h.id)) return drop(h.length);  // a cancelled request's answer
     return fail_plan();  // an answer to nothing we asked
   }
   if ((o->kind_ == op::kind::get) != get) return fail_plan();
@@ -321,7 +321,7 @@ inline void engine::send_answer(reply_slot* s, msg type, std::uint64_t id, statu
   f.hdr.id = id;
   f.hdr.length = len;
   f.payload = payload;
-  mark_nic(f, device, device >= 0);
+  f.mark_nic(device, device >= 0);
   post(f);
 }
 
