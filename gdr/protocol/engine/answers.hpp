@@ -23,8 +23,8 @@
 ///     registry, refused, or answered `no_memory`): one reply slot each,
 ///     at most `reply_slots` made plus the spare; a request that finds none
 ///     pauses the reader (engine/one_sided.hpp, "Reply slots").
-///   * `credit`: one frame, `credit_f_`, reused; what is owed meanwhile is a
-///     counter.
+///   * `credit`: one frame (`early_room::f`), reused; what is owed
+///     meanwhile is a counter.
 ///   * `rtr`: one per receive posted here (the user's operations).
 ///   * `data` flagged `withdrawn`, the answer to an `rtr` for a send this
 ///     side withdrew first: from the announcement's own frame, at most once

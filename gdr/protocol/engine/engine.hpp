@@ -34,6 +34,7 @@
 #include <gdr/transfer/common.hpp>
 
 #include <gdr/protocol/engine/answers.hpp>
+#include <gdr/protocol/engine/early_room.hpp>
 #include <gdr/protocol/engine/fifo.hpp>
 #include <gdr/protocol/engine/link.hpp>
 #include <gdr/protocol/engine/op.hpp>
@@ -742,14 +743,7 @@ class engine {
   std::size_t early_bytes_ = 0;
   withdrawals withdrawals_;  // the peer's late frames for what ended here first (dropped or answered)
   answer_budget answers_;    // the answers this side allocated for the peer, not yet written
-  reply_slot* free_slots_ = nullptr;
-  reply_slot* serve_wait_head_ = nullptr;  // gets of Device memory waiting for a tx bounce buffer
-  reply_slot* serve_wait_tail_ = nullptr;
-  reply_slot* slots_made_ = nullptr;   // every slot allocated (next_made), freed with the engine
-  std::size_t slots_made_count_ = 0;
-  std::size_t slot_limit_ = 0;         // the credits granted in the hello
-  reply_slot spare_slot_{};            // answers no_memory when no slot can be allocated
-  bool spare_busy_ = false;
+  reply_pool replies_{};  // the reply slots this side made for the peer's requests (engine/slots.hpp)
   // ---- the staged path ----
   std::size_t chunk_ = 0;          // bytes per bounce buffer
   std::uint64_t peer_seg_ = 0;     // the peer's chunk (its hello), 0: no limit
@@ -766,18 +760,7 @@ class engine {
   bool kick_rx_ = false;
   bool deferred_due_ = false;     // one of kick_tx_, kick_rx_, pumps_, credit_due_ is set (run_deferred)
   std::vector<op*> pumps_;        // ops to pump at the end of the event
-  // ---- early credits ----
-  frame credit_f_{};                   // this side's credit frame (one at a time)
-  std::uint64_t owed_bytes_ = 0;       // taken early bytes not yet granted back
-  std::uint64_t owed_msgs_ = 0;
-  std::uint64_t grant_bytes_ = 1;      // what is owed before a credit frame goes (a quarter of the budget)
-  std::uint64_t grant_msgs_ = 1;
-  std::uint64_t send_bytes_credit_ = 0;  // the peer's early room this side may use
-  std::uint64_t send_msgs_credit_ = 0;
-  bool got_credit_ = false;            // the peer's first credit (its handshake is done)
-  bool waiter_turn_ = false;           // run_send_waiters is launching the head of send_wait_
-  std::size_t order_holds_ = 0;        // staged eager sends whose frame is not posted yet
-  op_list send_wait_{};                // sends waiting for a message slot
+  early_room room_{};  // early credits, both ways, and the sends that wait for them (engine/early_room.hpp)
   // ---- credits: the peer's reply slots this side may still use ----
   std::uint64_t credits_ = 0;
   bool credit_due_ = false;        // credits came back and someone waits (run_deferred)

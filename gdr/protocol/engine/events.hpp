@@ -218,7 +218,7 @@ inline void engine::on_sent(frame& f, std::error_code ec) noexcept {
     announcement_sent(static_cast<announcement&>(f), ec);
     return;
   }
-  if (&f == &credit_f_) {
+  if (&f == &room_.f) {
     if (!ec) maybe_grant();  // what was owed meanwhile
     return;
   }

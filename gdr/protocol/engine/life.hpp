@@ -31,11 +31,10 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
       answers_(o.unexpected_messages) {
   if (opts_.rendezvous_threshold > opts_.max_message) opts_.rendezvous_threshold = opts_.max_message;
   // Room is granted back in quarters of the peer's budget (maybe_grant).
-  grant_bytes_ = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
-  grant_msgs_ = std::max<std::uint64_t>(opts_.unexpected_messages / 4, 1);
+  room_.grant_bytes = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
+  room_.grant_msgs = std::max<std::uint64_t>(opts_.unexpected_messages / 4, 1);
   std::size_t n = std::max<std::size_t>(opts_.reply_slots, 1);
-  slot_limit_ = n;
-  spare_slot_.f.slot = &spare_slot_;
+  replies_.limit = n;
   resume_node_.self = this;
   resume_node_.run = &on_resume_node;
   chunk_ = std::max<std::size_t>(opts_.staging.chunk, 1);
@@ -50,10 +49,6 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
 inline engine::~engine() {
   if (abandoned_ && *sched_alive_) sched_->note_done();  // counted by abandon(): the flag never comes back
   while (early_msg* m = early_.pop_front()) delete m;
-  while (reply_slot* s = slots_made_) {
-    slots_made_ = s->next_made;
-    delete s;
-  }
 }
 
 inline std::string engine::describe() const {
@@ -88,8 +83,8 @@ inline std::string engine::describe() const {
     }
     out += "}";
   };
-  out += "credits " + std::to_string(credits_) + " msgs " + std::to_string(send_msgs_credit_) + " bytes " +
-         std::to_string(send_bytes_credit_) + " holds " + std::to_string(order_holds_) + (paused_ ? " PAUSED" : "") +
+  out += "credits " + std::to_string(credits_) + " msgs " + std::to_string(room_.send_msgs) + " bytes " +
+         std::to_string(room_.send_bytes) + " holds " + std::to_string(room_.order_holds) + (paused_ ? " PAUSED" : "") +
          " early " + std::to_string(early_.size);
   if (!deferred_.empty()) out += " deferred " + std::to_string(deferred_.size());
   if (answers_.held() != 0) out += " answers " + std::to_string(answers_.held());
@@ -101,11 +96,11 @@ inline std::string engine::describe() const {
   list("rma", rma_);
   list("direct", direct_);
   list("staging", staging_);
-  list("send_wait", send_wait_);
+  list("send_wait", room_.send_wait);
   list("credit_wait", credit_wait_);
   {
     std::size_t n = 0;
-    for (const reply_slot* w = serve_wait_head_; w != nullptr; w = w->wait_next) ++n;
+    for (const reply_slot* w = replies_.serve_wait_head; w != nullptr; w = w->wait_next) ++n;
     if (n != 0) out += " serve_wait " + std::to_string(n);
   }
   vec("tx_wait", tx_wait_);
@@ -245,11 +240,11 @@ inline void engine::record(op& o) noexcept {
 inline void engine::start_protocol() noexcept {
   post(hello_);
   // The first grant of early-message room (see "Early credits").
-  credit_f_.hdr = header{};
-  credit_f_.hdr.type = msg::credit;
-  credit_f_.hdr.size = opts_.unexpected_bytes;
-  credit_f_.hdr.id = std::max<std::size_t>(opts_.unexpected_messages, 1);
-  post(credit_f_);
+  room_.f.hdr = header{};
+  room_.f.hdr.type = msg::credit;
+  room_.f.hdr.size = opts_.unexpected_bytes;
+  room_.f.hdr.id = std::max<std::size_t>(opts_.unexpected_messages, 1);
+  post(room_.f);
 }
 
 inline bool engine::begin_close(op& o) noexcept {
@@ -283,7 +278,7 @@ inline void engine::maybe_post_close() noexcept {
   if (close_op_ == nullptr || close_posted_ || error_ || close_op_->result_set_) return;
   // Held sends wait for the peer's hello; the close frame itself needs
   // none (this side's own hello is already ahead of it).
-  if (!held_.empty() || !send_wait_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
+  if (!held_.empty() || !room_.send_wait.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
   // A staged eager send posts its frame once its copy is done: the close
   // frame must not overtake it.
   for (op* o = staging_.head; o != nullptr; o = o->next_)
@@ -436,7 +431,7 @@ inline void engine::fail(std::error_code ec, bool in_order) noexcept {
   while (op* o = rma_.head) complete(*o, ec);
   while (op* o = direct_.head) complete(*o, ec);  // those the NIC has finish when it gives them back
   while (op* o = credit_wait_.head) complete(*o, ec);
-  while (op* o = send_wait_.head) complete(*o, ec);
+  while (op* o = room_.send_wait.head) complete(*o, ec);
   // A receive in staging_ is copying a kept message into device memory:
   // its bytes are all here, so it completes as kept messages do.
   for (op* o = staging_.head; o != nullptr;) {

@@ -193,14 +193,14 @@ inline rx_plan engine::rx_hello(const header& h) noexcept {
   if (h.key == 0) {
     // A peer that counts no credits (a hand-written one: every gdr peer
     // has reply slots): it sends no credit frame and bounds nothing.
-    send_bytes_credit_ = send_msgs_credit_ = ~std::uint64_t{0} / 2;
+    room_.send_bytes = room_.send_msgs = ~std::uint64_t{0} / 2;
     handshake_done();
   }
   return consumed();
 }
 
 inline void engine::handshake_done() noexcept {
-  if (std::exchange(got_credit_, true)) return;
+  if (std::exchange(room_.got_first, true)) return;
   while (op* o = held_.head) {
     delist(*o);
     o->to(op::stage::idle);
@@ -210,8 +210,8 @@ inline void engine::handshake_done() noexcept {
 }
 
 inline rx_plan engine::rx_credit(const header& h) noexcept {
-  send_bytes_credit_ += h.size;
-  send_msgs_credit_ += h.id;
+  room_.send_bytes += h.size;
+  room_.send_msgs += h.id;
   handshake_done();
   run_send_waiters();
   maybe_post_close();
@@ -330,42 +330,42 @@ inline void engine::drop_kept_messages() noexcept {
 }
 
 inline void engine::owe(std::uint64_t bytes) noexcept {
-  owed_bytes_ += bytes;
-  ++owed_msgs_;
-  if (owed_bytes_ >= grant_bytes_ || owed_msgs_ >= grant_msgs_) maybe_grant();
+  room_.owed_bytes += bytes;
+  ++room_.owed_msgs;
+  if (room_.owed_bytes >= room_.grant_bytes || room_.owed_msgs >= room_.grant_msgs) maybe_grant();
 }
 
 inline void engine::maybe_grant() noexcept {
-  if (error_ || close_posted_ || held_by_link(credit_f_)) return;
-  if (owed_bytes_ < grant_bytes_ && owed_msgs_ < grant_msgs_) return;
-  credit_f_.reset(nullptr);
-  credit_f_.hdr.type = msg::credit;
-  credit_f_.hdr.size = std::exchange(owed_bytes_, 0);
-  credit_f_.hdr.id = std::exchange(owed_msgs_, 0);
-  post(credit_f_);
+  if (error_ || close_posted_ || held_by_link(room_.f)) return;
+  if (room_.owed_bytes < room_.grant_bytes && room_.owed_msgs < room_.grant_msgs) return;
+  room_.f.reset(nullptr);
+  room_.f.hdr.type = msg::credit;
+  room_.f.hdr.size = std::exchange(room_.owed_bytes, 0);
+  room_.f.hdr.id = std::exchange(room_.owed_msgs, 0);
+  post(room_.f);
 }
 
 inline void engine::refund(op& o) noexcept {
   if (!std::exchange(o.debited_, false)) return;
-  send_bytes_credit_ += o.debit_;
-  ++send_msgs_credit_;
-  if (!send_wait_.empty()) credit_due_ = deferred_due_ = true;
+  room_.send_bytes += o.debit_;
+  ++room_.send_msgs;
+  if (!room_.send_wait.empty()) credit_due_ = deferred_due_ = true;
 }
 
 inline void engine::release_order(op& o) noexcept {
   if (!std::exchange(o.holds_order_, false)) return;
-  --order_holds_;
-  if (order_holds_ == 0 && !send_wait_.empty()) credit_due_ = deferred_due_ = true;
+  --room_.order_holds;
+  if (room_.order_holds == 0 && !room_.send_wait.empty()) credit_due_ = deferred_due_ = true;
 }
 
 inline void engine::run_send_waiters() noexcept {
-  while (send_msgs_credit_ != 0 && order_holds_ == 0 && !send_wait_.empty()) {
-    op* o = send_wait_.head;
+  while (room_.send_msgs != 0 && room_.order_holds == 0 && !room_.send_wait.empty()) {
+    op* o = room_.send_wait.head;
     delist(*o);
     o->to(op::stage::idle);
-    waiter_turn_ = true;  // its turn: it does not queue behind the others
+    room_.waiter_turn = true;  // its turn: it does not queue behind the others
     const bool pending = launch(*o);
-    waiter_turn_ = false;
+    room_.waiter_turn = false;
     if (!pending) complete(*o, o->ec_);
   }
 }

@@ -204,7 +204,7 @@ inline bool engine::launch_staged_eager(op& o) noexcept {
   // Its frame goes out only once its copy is done: the sends after it
   // wait until then, so that messages keep the order they were sent in.
   o.holds_order_ = true;
-  ++order_holds_;
+  ++room_.order_holds;
   o.seg_ = o.size_;
   o.total_ = o.size_;
   enlist(staging_, o);

@@ -8,7 +8,7 @@
 /// frame right after the hello, then more as messages are taken. A sender
 /// spends a message slot on every message and the bytes of an eager one;
 /// short of bytes it announces the message instead (rendezvous), short of
-/// slots it waits, in order, on its own side (send_wait_). The receiver
+/// slots it waits, in order, on its own side (room_.send_wait). The receiver
 /// gives credit back in batches of a quarter of its room. So the store
 /// never fills while the reader keeps reading: the data of receives that
 /// already matched always gets through.
@@ -63,7 +63,7 @@ inline bool engine::begin_out(op& o) noexcept {
     o.ec_ = errc::message_too_large;  // the answer would exceed our own limit
     return false;
   }
-  if (!got_credit_) {  // the peer's handshake: its hello and first credit
+  if (!room_.got_first) {  // the peer's handshake: its hello and first credit
     o.to(op::stage::held);
     enlist(held_, o);
     return true;
@@ -85,21 +85,21 @@ inline bool engine::launch(op& o) noexcept {
       // Early credits: every message takes a slot of the peer's room for
       // early messages, an eager one its bytes too; without the bytes it
       // is announced instead, without a slot it waits (in order).
-      if ((!send_wait_.empty() && !waiter_turn_) || send_msgs_credit_ == 0 || order_holds_ != 0) {
+      if ((!room_.send_wait.empty() && !room_.waiter_turn) || room_.send_msgs == 0 || room_.order_holds != 0) {
         o.to(op::stage::held);
-        enlist(send_wait_, o);
+        enlist(room_.send_wait, o);
         return true;
       }
-      const bool eager = o.size_ <= eager_limit(o) && o.size_ <= send_bytes_credit_;
+      const bool eager = o.size_ <= eager_limit(o) && o.size_ <= room_.send_bytes;
       announcement* a = nullptr;
       if (!eager && (a = new (std::nothrow) announcement) == nullptr) {
         o.ec_ = errno_code(ENOMEM);
         return false;
       }
-      --send_msgs_credit_;
+      --room_.send_msgs;
       o.debit_ = eager ? o.size_ : 0;
       o.debited_ = true;
-      send_bytes_credit_ -= o.debit_;
+      room_.send_bytes -= o.debit_;
       if (eager) {
         if (o.dev_ >= 0 && o.size_ != 0) return launch_staged_eager(o);
         o.proto_ = wire_protocol::eager;
