@@ -78,6 +78,8 @@ struct loopback_side {
 struct tcp_side {
   using endpoint = gdr::tcp::endpoint;
   static constexpr const char* name = "tcp";
+  /// The sending side's socket options (a case may lower user_timeout).
+  static inline gdr::tcp::socket_options a_socket{};
   static void prepare(gdr::scheduler&, gdr::scheduler&, const gdr::protocol_options&, meeting&) {}
   static gdr::task<endpoint> b_side(gdr::scheduler& s, meeting& m, const gdr::protocol_options& o) {
     gdr::tcp::endpoint_options eo;
@@ -92,6 +94,7 @@ struct tcp_side {
     while (!m.ready.load()) co_await gdr::sleep_for(1ms);
     gdr::tcp::endpoint_options eo;
     eo.protocol = o;
+    eo.socket = a_socket;
     co_return co_await gdr::tcp::connect(s, gdr::tcp::address::loopback(m.port), {}, gdr::default_registry(), eo);
   }
 };
@@ -405,4 +408,42 @@ TEST_CASE_TEMPLATE("a deadline around a stream of sends to a peer whose loop doe
         op_report g = co_await b.recv(bytes_of(in), {300ms}).report();
         CHECK(g.error == errc::timed_out);
       });
+}
+
+TEST_CASE("a committed rendezvous send to a TCP peer whose loop stopped mid-message is bounded by user_timeout") {
+  // Its receive took it (the rtr came), then the peer stopped reading: the
+  // data is on its way and the send cannot be withdrawn, so its own
+  // timeout does not end it. The kernel does: the peer's window stays
+  // shut, and after user_timeout the connection is dropped (GUIDE
+  // sections 7 and 10).
+  tcp_side::a_socket.user_timeout = 1000ms;
+  const auto big = pattern(64 << 20, 9);
+  std::vector<std::byte> in(64 << 20);
+  op_report got{};
+  run_stalled<tcp_side>(
+      [&](auto& a, phases& ph) -> gdr::task<> {
+        gdr::task_scope scope;
+        op_report sent{};
+        auto t0 = std::chrono::steady_clock::now();
+        scope.spawn(keep(a.send(cbytes_of(big), {300ms}), sent));
+        co_await scope.join();
+        auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+        MESSAGE("the committed send ended after " << took.count() << " ms: " << sent.error.message());
+        CHECK(sent.error == errc::connection_lost);
+        CHECK(took >= 900ms);  // not its own 300 ms: it was committed
+        CHECK(took < 10s);     // but user_timeout (1 s, and the kernel's probe times)
+        co_await ph.until_stalled();
+        co_await ph.resume_and_wait();
+      },
+      [&](auto& b, phases& ph) -> gdr::task<> {
+        gdr::task_scope scope;
+        const std::uint64_t out = b.stats().frames_out;
+        scope.spawn(keep(b.recv(bytes_of(in), {60s}), got));
+        // Its rtr is out: the data starts; the peer stops reading now.
+        while (b.stats().frames_out == out) co_await gdr::sleep_for(1ms);
+        ph.stall();
+        co_await scope.join();
+        CHECK(got.error == errc::connection_lost);
+      });
+  tcp_side::a_socket = {};
 }

@@ -1,6 +1,8 @@
 /// \file
-/// Sends: eager and rendezvous (rts, rtr, data), a send's stop (rts_cancel,
-/// rts_withdrawn), and the eager limits of a send and a receive.
+/// Sends: eager and rendezvous (rts, rtr, data), a send's stop (withdrawn
+/// here at once: the announcement that outlives it sends rts_cancel and
+/// answers a late rtr, engine/withdrawals.hpp), the peer's rts_withdrawn,
+/// and the eager limits of a send and a receive.
 ///
 /// Early credits. The room each side keeps for early messages (eager
 /// bytes and announcements no receive has taken yet: `unexpected_bytes`,
@@ -11,7 +13,11 @@
 /// slots it waits, in order, on its own side (room_.send_wait). The receiver
 /// gives credit back in batches of a quarter of its room. So the store
 /// never fills while the reader keeps reading: the data of receives that
-/// already matched always gets through.
+/// already matched always gets through. A rendezvous send withdrawn here
+/// after its rts went gets its slot back only from the peer (which holds
+/// the rts until it reads the rts_cancel): never refunded here, so the
+/// announcements this side has withdrawn and the peer not yet answered
+/// stay within the peer's room.
 #pragma once
 
 #include <algorithm>
