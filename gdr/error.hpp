@@ -31,6 +31,7 @@ enum class errc : int {
   remote_access,    ///< one-sided access outside a registration, wrong key, or revoked
   busy,             ///< a resource (queue, ring) is full; try again later
   message_too_large,  ///< larger than the peer accepts (its limit, from the handshake); nothing was sent
+  withdrawn,          ///< a receive's message was withdrawn by its sender (stopped or timed out) after the receive had matched it
   // ---- the endpoint is broken; every pending operation fails ----
   connection_lost = 100,  ///< the peer went away (closed, reset, killed, timed out)
   protocol_error,         ///< the peer sent a malformed or hostile frame
@@ -61,6 +62,8 @@ class gdr_category_impl final : public std::error_category {
         return "remote access denied: outside the registration, wrong key, or revoked";
       case errc::busy: return "resource busy";
       case errc::message_too_large: return "message larger than the peer accepts";
+      case errc::withdrawn:
+        return "message withdrawn by its sender: its send was stopped or timed out before this receive's answer reached it";
       case errc::connection_lost: return "connection to the peer lost";
       case errc::protocol_error: return "protocol error: malformed frame from the peer";
       case errc::closed: return "endpoint closed";

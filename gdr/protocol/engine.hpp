@@ -48,16 +48,26 @@
 /// is being written and no payload is being placed into its view.
 ///
 /// Cancellation and timeouts: withdrawn until committed, then it completes.
+/// What is not committed ends at its stop or deadline whatever the peer
+/// does (a peer that does not run its loop answers nothing).
 ///   * A receive stops at once. If its message was being placed, the rest
 ///     is dropped; if it had answered an `rts`, the data that comes is
 ///     dropped (the sender completes normally).
 ///   * An eager send is withdrawn while its frame waits in the transport;
-///     once the transport has committed it, it completes normally.
-///   * A rendezvous send is withdrawn while its `rts` waits; once the `rts`
-///     is out, a stop sends `rts_cancel`, and the peer answers
-///     `rts_withdrawn` (the send fails with the stop's reason) or, if a
-///     receive had already matched it, the `rtr` (the send is committed and
-///     completes normally).
+///     once the transport has committed it (begun writing it), it
+///     completes normally.
+///   * A send waiting for early credit has not left: it ends at once.
+///   * A rendezvous send is withdrawn, at once, until the `rtr` has reached
+///     this side: no byte has moved before it. Its `rts` is the engine's
+///     (an `announcement`, engine/withdrawals.hpp), so the send resumes
+///     even while the transport holds that frame; an `rts` not yet out is
+///     taken back, else an `rts_cancel` follows it. The peer answers that
+///     with `rts_withdrawn`, or, if a receive had matched it first, its
+///     `rtr` comes late and this side answers it with a `data` frame
+///     flagged `withdrawn`: that receive takes the next message of its tag
+///     (or fails with `errc::withdrawn` where that would break the order
+///     of its tag). The message credit comes back with the peer's answer.
+///     Once the `rtr` has come, the send is committed.
 ///   * A put or get stops at once unless its request is being written; a
 ///     late answer is dropped.
 ///
@@ -103,6 +113,14 @@
 /// side, and the rtr of a `Device` receive, are marked for the transport
 /// (`frame::nic_only`, `rx_plan::device`), which moves them by RDMA or
 /// fails the connection with `errc::gpudirect_unavailable`, never copies.
+///
+/// Answers made for the peer are bounded (engine/answers.hpp): the
+/// `rts_withdrawn` frames this side allocates to answer the peer's
+/// `rts_cancel` (or an `rts` while closing) wait in the transport until the
+/// peer reads; at most `unexpected_messages` of them, which a peer keeping
+/// to its credits never reaches; past that the reader pauses until they
+/// are written. That file lists every frame the engine makes for the peer
+/// and what bounds each.
 ///
 /// Credits. A put or get request holds one of the target's reply slots
 /// until its answer is written. Each hello says how many the sender grants;

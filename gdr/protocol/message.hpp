@@ -20,7 +20,10 @@
 /// | `rtr`           | none     | `id` = send id, `size` = bytes accepted, `addr` = token,  |
 /// |                 |          | `key` = largest data frame it takes (0 = one frame)       |
 /// | `data`          | segment  | `addr` = the receiver's token (from its `rtr`), `size` =  |
-/// |                 |          | the segment's offset, flag `last` on the final segment    |
+/// |                 |          | the segment's offset, flag `last` on the final segment;   |
+/// |                 |          | flags `last` and `withdrawn`, no bytes, offset 0: the     |
+/// |                 |          | answer to an `rtr` whose send the sender withdrew before  |
+/// |                 |          | that `rtr` reached it                                     |
 /// | `rts_cancel`    | none     | `id` = send id                                            |
 /// | `rts_withdrawn` | none     | `id` = send id                                            |
 /// | `put_request`   | bytes    | `id` = request id, `addr`, `key`                          |
@@ -120,12 +123,16 @@ inline constexpr std::uint64_t atomic_compare_swap = 2;
 /// Flag bits of `header::flags`.
 namespace flag {
 inline constexpr std::uint16_t last = 1u << 0;  ///< `data`: the message's final segment
+/// `data`, always with `last`, length and offset 0: the sender withdrew the
+/// message (its send was stopped or timed out) before the receiver's `rtr`
+/// reached it; no bytes come, and the receive fails with `errc::withdrawn`.
+inline constexpr std::uint16_t withdrawn = 1u << 1;
 }  // namespace flag
 
-/// The flags a header of type `m` may carry: `flag::last` on `data`, none
-/// elsewhere.
+/// The flags a header of type `m` may carry: `flag::last` on `data`, or
+/// `last` with `withdrawn`; none elsewhere.
 constexpr bool flags_allowed(msg m, std::uint16_t flags) noexcept {
-  return flags == 0 || (m == msg::data && flags == flag::last);
+  return flags == 0 || (m == msg::data && (flags == flag::last || flags == (flag::last | flag::withdrawn)));
 }
 
 /// One protocol message's header (see the file comment for the fields each
@@ -164,7 +171,9 @@ constexpr bool valid(const header& h, std::uint64_t max_message) noexcept {
     case msg::eager: return st_zero && h.size == 0 && h.id == 0 && h.addr == 0 && h.key == 0;
     case msg::rts: return st_zero && h.addr == 0 && h.key == 0 && h.size <= max_message;
     case msg::rtr: return st_zero && h.tag == 0;
-    case msg::data: return st_zero && h.tag == 0 && h.id == 0 && h.key == 0 && h.size <= max_message;
+    case msg::data:
+      return st_zero && h.tag == 0 && h.id == 0 && h.key == 0 && h.size <= max_message &&
+             ((h.flags & flag::withdrawn) == 0 || (h.length == 0 && h.size == 0));
     case msg::rts_cancel:
     case msg::rts_withdrawn:
     case msg::close:

@@ -105,7 +105,13 @@ struct protocol_stats : transfer_stats {
   std::uint64_t unexpected = 0;        ///< eager messages kept because no receive was posted
   std::uint64_t unexpected_rts = 0;    ///< announcements kept because no receive was posted
   std::uint64_t paused = 0;            ///< times reading stopped for back-pressure
-  std::uint64_t withdrawn = 0;         ///< announced sends withdrawn by cancellation
+  std::uint64_t withdrawn = 0;         ///< announced sends withdrawn before their receive's rtr came (a stop,
+                                       ///< a timeout, a failed copy), or declined by a closing peer
+  std::uint64_t late_rtrs = 0;         ///< of those, sends whose receive had matched them already: its rtr came
+                                       ///< late and was answered that nothing comes (`errc::withdrawn` there)
+  std::uint64_t answers_most = 0;      ///< the most answers this side made for the peer (to its `rts_cancel`, to
+                                       ///< an `rts` while closing) that waited to be written at once; reading
+                                       ///< pauses at `unexpected_messages` of them
   std::uint64_t truncated = 0;         ///< receives that got a larger message than their view
   std::uint64_t served_puts = 0;       ///< the peer's puts applied to registered memory
   std::uint64_t served_gets = 0;       ///< the peer's gets answered with data

@@ -44,6 +44,14 @@ gdr::view<const std::byte, gdr::Host> cbytes_of(const T& v) {
   return gdr::view<const std::byte, gdr::Host>(v.data(), v.size());
 }
 
+/// Requests a stop of `src` after `d`. (Its parameters live in the
+/// coroutine's frame: a lambda's captures would die with the lambda.)
+gdr::task<op_report> stop_after(std::stop_source& src, std::chrono::milliseconds d) {
+  co_await gdr::sleep_for(d);
+  src.request_stop();
+  co_return op_report{};
+}
+
 }  // namespace
 
 TEST_CASE_TEMPLATE("messages keep their boundaries and order at every size around the rendezvous threshold",
@@ -289,14 +297,17 @@ TEST_CASE_TEMPLATE("an announced send nobody receives is withdrawn by its timeou
       small_threshold(1024), small_threshold(1024));
 }
 
-TEST_CASE_TEMPLATE("a stop after the receiver matched an announced send lets the send complete", T,
+TEST_CASE_TEMPLATE("a stop racing the receiver's match either completes the send or withdraws it on both ends", T,
                    CONFORMANCE_TRANSPORTS) {
   conformance::run_both<T>(
       [&](auto& a, auto& b) -> gdr::task<> {
         // The receive is posted first, so the rtr is on its way as soon as
         // the rts lands; a stop requested right after the send starts races
         // with it. Either outcome is allowed, but exactly one: the message
-        // is received whole (the send succeeded) or not at all (withdrawn).
+        // is received whole (the rtr reached the sender first: the send
+        // succeeded) or not at all (the stop came first: the send is
+        // withdrawn, and the receive, which may have matched it, goes on
+        // waiting for the next message, until its own timeout here).
         auto big = pattern(200000, 5);
         std::vector<std::byte> in(200000);
         for (int round = 0; round < 20; ++round) {
@@ -315,9 +326,47 @@ TEST_CASE_TEMPLATE("a stop after the receiver matched an announced send lets the
             CHECK(r.error == gdr::errc::timed_out);
           }
         }
+        CHECK(b.is_open());
         co_await a.close();
       },
       small_threshold(1024), small_threshold(1024));
+}
+
+// Issue "Hostile, stalled and careless peers", item 3: the answers an
+// endpoint makes for its peer (here rts_withdrawn, to the peer's
+// rts_cancel) are bounded by its unexpected_messages, and a peer that keeps
+// to its credits never reaches the bound: the reader never stops for it.
+TEST_CASE_TEMPLATE("a peer withdrawing many announced sends at once gets its answers without stopping the reader", T,
+                   CONFORMANCE_TRANSPORTS) {
+  gdr::protocol_options o = small_threshold(1024);
+  o.unexpected_messages = 16;  // the receiver keeps 16 announcements, and makes at most 16 answers waiting
+  conformance::run_both<T>(
+      [&](auto& a, auto& b) -> gdr::task<> {
+        auto big = pattern(4096, 3);
+        constexpr int wave = 48;
+        for (int round = 0; round < 20; ++round) {
+          // More sends than credits: some are announced, the rest wait
+          // here for credit; all are stopped a moment later.
+          std::stop_source stop;
+          std::vector<gdr::task<op_report>> ops;
+          for (int i = 0; i < wave; ++i) ops.push_back(report_of(a.send(cbytes_of(big), {stop.get_token()})));
+          ops.push_back(stop_after(stop, std::chrono::milliseconds(1 + round % 3)));
+          auto reps = co_await gdr::when_all(std::move(ops));
+          for (int i = 0; i < wave; ++i) CHECK(reps[i].error == gdr::errc::cancelled);
+        }
+        CHECK(a.stats().withdrawn > 0);
+        CHECK(b.stats().answers_most <= 16);
+        CHECK(b.stats().paused == 0);
+        // The withdrawn messages never arrive; the next one does.
+        auto m = pattern(4096, 4);
+        std::vector<std::byte> in(4096);
+        auto [s, r] = co_await gdr::when_all(report_of(a.send(cbytes_of(m), {5s})), report_of(b.recv(bytes_of(in), {5s})));
+        CHECK(!s.error);
+        CHECK(!r.error);
+        CHECK(in == m);
+        co_await a.close();
+      },
+      o, o);
 }
 
 TEST_CASE_TEMPLATE("many rendezvous in flight at once all arrive intact", T, CONFORMANCE_TRANSPORTS) {

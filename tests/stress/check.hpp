@@ -4,8 +4,9 @@
 // circumstances allow: `cancelled` only if its stop fired, `timed_out` only
 // if it had a timeout, `truncated` only for a receive of a larger message,
 // `message_too_large` only above the peer's limit, `remote_access` only for
-// a wrong key or a revoked window, `closed` only after this side closed or
-// dropped its endpoint, `peer_closed` only after the peer began to close,
+// a wrong key or a revoked window, `withdrawn` only for a receive (the peer
+// stopped the send it had matched, GUIDE section 7), `closed` only after this
+// side closed or dropped its endpoint, `peer_closed` only after the peer began to close,
 // `connection_lost` only after the peer dropped its endpoint without a
 // completed close, aborted its close (a close timeout), or was killed.
 // Anything else (`protocol_error` between two endpoints of one build,
@@ -18,7 +19,8 @@
 // take messages in the order the sends started, in the order the receives
 // started. A receive that succeeded holds exactly the bytes of one send; a
 // truncated one the first bytes of a larger send. A send that was withdrawn
-// (cancelled, timed_out, message_too_large) is never received. A stopped
+// (cancelled, timed_out, message_too_large) is never received; a receive
+// that failed with `withdrawn` took none. A stopped
 // receive takes one message or none ("may have cost a message"); a receive
 // failed by its endpoint the same, except one failed by the peer's orderly
 // close, which takes none. A successful send must be received unless the
@@ -114,6 +116,11 @@ inline void check_outcome(const plan& p, const run_record& rr, const op_record& 
     if (!o.stop_fired) bad("outcome", "cancelled, but its stop never fired");
   } else if (is(e, gdr::errc::timed_out)) {
     if (o.stop.timeout.count() == 0) bad("outcome", "timed out without a timeout");
+  } else if (is(e, gdr::errc::withdrawn)) {
+    // The peer withdrew the message this receive had matched (its send
+    // stopped before the rtr reached it), where going back in line would
+    // have let a later receive of the stream overtake it.
+    if (o.kind != op_kind::recv) bad("outcome", "withdrawn, but not a receive");
   } else if (is(e, gdr::errc::truncated)) {
     if (o.kind != op_kind::recv || o.rep.message_size <= o.size || o.rep.bytes != o.size)
       bad("report", "truncated, but the sizes do not say so");
@@ -235,6 +242,7 @@ inline void check_stream(std::uint64_t seed, const stream_view& sv, journal& j) 
     const std::error_code e = r.rep.error;
     return e && !is(e, gdr::errc::truncated);
   };
+  auto must_take_none = [&](const op_record& r) { return is(r.rep.error, gdr::errc::withdrawn); };
 
   std::vector<std::vector<char>> reach(m + 1, std::vector<char>(n + 1, 0));
   reach[0][0] = 1;
@@ -245,7 +253,7 @@ inline void check_stream(std::uint64_t seed, const stream_view& sv, journal& j) 
       if (!reach[i][s]) continue;
       if (may_take_none(r)) reach[i + 1][s] = 1;
       for (std::size_t k = s; k < n; ++k) {
-        if (consumable(k) && matches(r, k)) reach[i + 1][k + 1] = 1;
+        if (consumable(k) && !must_take_none(r) && matches(r, k)) reach[i + 1][k + 1] = 1;
         if (!skippable(k)) break;
       }
     }

@@ -167,10 +167,10 @@ inline bool engine::run_deferred() noexcept {
 }
 
 inline void engine::serve_waiting_gets() noexcept {
-  while (serve_wait_head_ != nullptr && tx_.free != nullptr) {
-    reply_slot* s = serve_wait_head_;
-    serve_wait_head_ = s->wait_next;
-    if (serve_wait_head_ == nullptr) serve_wait_tail_ = nullptr;
+  while (replies_.serve_wait_head != nullptr && tx_.free != nullptr) {
+    reply_slot* s = replies_.serve_wait_head;
+    replies_.serve_wait_head = s->wait_next;
+    if (replies_.serve_wait_head == nullptr) replies_.serve_wait_tail = nullptr;
     s->wait_next = nullptr;
     if (error_) {
       free_slot(s);
@@ -192,12 +192,12 @@ inline void engine::serve_waiting_gets() noexcept {
 }
 
 inline void engine::drop_waiting_gets() noexcept {
-  while (reply_slot* s = serve_wait_head_) {
-    serve_wait_head_ = s->wait_next;
+  while (reply_slot* s = replies_.serve_wait_head) {
+    replies_.serve_wait_head = s->wait_next;
     s->wait_next = nullptr;
     free_slot(s);
   }
-  serve_wait_tail_ = nullptr;
+  replies_.serve_wait_tail = nullptr;
 }
 
 inline void engine::kick_waiters(bool rx) noexcept {

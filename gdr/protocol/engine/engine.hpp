@@ -33,10 +33,14 @@
 #include <gdr/sched/scheduler.hpp>
 #include <gdr/transfer/common.hpp>
 
+#include <gdr/protocol/engine/answers.hpp>
+#include <gdr/protocol/engine/early_room.hpp>
 #include <gdr/protocol/engine/fifo.hpp>
 #include <gdr/protocol/engine/link.hpp>
 #include <gdr/protocol/engine/op.hpp>
 #include <gdr/protocol/engine/slots.hpp>
+#include <gdr/protocol/engine/target.hpp>
+#include <gdr/protocol/engine/withdrawals.hpp>
 
 namespace gdr::detail::proto {
 
@@ -236,29 +240,18 @@ class engine {
   std::error_code error() const noexcept { return error_; }
 
  private:
-  struct target {
-    enum kind_t : std::uint8_t { none, op_payload, store, serve_put, discard, stage_rx, via_host } kind = none;
-    op* o = nullptr;
-    early_msg* m = nullptr;
-    reply_slot* s = nullptr;
-    stage_slot* b = nullptr;  // stage_rx: the bounce buffer
-    std::uint64_t id = 0;
-    std::size_t want = 0;
-    bool counted = false;  // op_payload: one segment of several
-  };
+  using target = placement;
   struct resume_node : remote_work {
     engine* self = nullptr;
   };
 
-  bool deletable() const noexcept {
-    return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && outbox_head_ == nullptr &&
-           deferred_.empty() && link_quiet();
-  }
+  /// Nothing is in flight and every operation has resumed (an abandoned engine may go).
+  bool deletable() const noexcept;
 
   // ---------------------------------------------------------------- lists and the transport's calls
   //
   // Which list an operation is on is its `list_`, set only here.
-  void enlist(op_list& l, op& o) noexcept;
+  void enlist(op_list& l, op& o, bool front = false) noexcept;
   void delist(op& o) noexcept;
 
   // The re-entrancy rule: nothing done inside an event calls the transport.
@@ -326,6 +319,19 @@ class engine {
 
   void cancel_send(op& o, std::error_code why) noexcept;
 
+  /// Rendezvous send `s` ended before the peer's rtr came (its outcome is
+  /// set): withdrawn at once; its announcement tells the peer (an
+  /// rts_cancel, unless the rts could still be taken back), and answers a
+  /// late rtr (engine/withdrawals.hpp).
+  void end_announcement(op& s) noexcept;
+  /// The peer answered `s`'s rts (its rtr, or an unasked rts_withdrawn):
+  /// its announcement is over.
+  void take_announcement(op& s) noexcept;
+  /// An announcement's frame is back from the transport: what is due next
+  /// goes (the rts_cancel, the answer to a late rtr), or it is freed.
+  void announcement_sent(announcement& a, std::error_code ec) noexcept;
+  void post_announcement(announcement& a, announcement::due what) noexcept;
+
   // ---------------------------------------------------------------- completing
 
   /// Decides `o`'s outcome (the first decision wins), takes it out of its
@@ -346,8 +352,9 @@ class engine {
   /// none is left with it.
   bool frames_released(op& o) noexcept;
 
-  void remember(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept;
-  static bool forget(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept;
+  /// A late frame of the peer's is now recognised (withdrawals_), or,
+  /// without memory for that (`ok` false), the endpoint fails.
+  void remembered(bool ok) noexcept;
 
   // ---------------------------------------------------------------- failure
 
@@ -392,6 +399,17 @@ class engine {
   op* find_recv(std::uint64_t tag) noexcept;
   void take_recv(op& r) noexcept;
 
+  /// Hands receive `o` the first message kept for its tag: none kept,
+  /// `done` (received now: `o.ec_` says how), or `pending` (its rtr went,
+  /// or its bytes are on their way into Device memory).
+  enum class kept : std::uint8_t { none, done, pending };
+  kept take_kept(op& o) noexcept;
+
+  /// The sender withdrew the message that awaiting receive `r` had
+  /// matched: `r` goes back in line for the next one, or fails with
+  /// `errc::withdrawn` where that would break the order of its tag.
+  void repost_recv(op& r) noexcept;
+
   /// The receive an eager message of `len` bytes with `tag` goes to. A
   /// GPUDirect `Device` receive ahead of it fails instead (`refuses_eager`):
   /// the message goes on to the next receive, or is kept.
@@ -435,8 +453,10 @@ class engine {
   /// Tells the sender of announcement `id` that no receive here will take
   /// it: the answer to its rts_cancel, or, unasked, from a closing side
   /// (rx_rts_withdrawn). In a frame of its own, not a reply slot: the
-  /// sender's reply-slot credits count only puts and gets.
-  void answer_withdrawn(std::uint64_t id) noexcept;
+  /// sender's reply-slot credits count only puts and gets. Counted in the
+  /// answer budget (engine/answers.hpp): the caller checked its room, or
+  /// the answer is `owed` (the announcements kept when close() starts).
+  void answer_withdrawn(std::uint64_t id, bool owed = false) noexcept;
 
   /// Receiving ends when close() starts: the messages kept here will never
   /// be received. Kept bytes are dropped; the senders of kept announcements
@@ -478,9 +498,6 @@ class engine {
   // from Device memory announces itself at any size; a Device receive
   // refuses eager bytes) and marks what only the NIC may move: frames
   // (`frame::nic_only`, `frame::device`) and placements (`rx_plan::device`).
-
-  /// Marks `f` as carrying or naming memory only the NIC may move.
-  static void mark_nic(frame& f, int device, bool nic_only) noexcept;
 
   /// A GPUDirect Device receive cannot take `len` eager bytes (they are in
   /// host memory already, and only the CPU could copy them): it fails with
@@ -605,13 +622,6 @@ class engine {
   /// An answer to one request of a segmented put or get.
   rx_plan segment_answer(op& o, const header& h) noexcept;
 
-  struct drop_range {
-    std::uint64_t lo, hi, left;
-  };
-  void remember_range(std::uint64_t lo, std::uint64_t hi, std::uint64_t left) noexcept;
-  bool forget_in_range(std::uint64_t id) noexcept;
-  bool is_dropped(std::uint64_t token) const noexcept;
-
   // ---------------------------------------------------------------- early credits
   //
   // Early credits: see the file comment of engine/two_sided.hpp.
@@ -708,6 +718,7 @@ class engine {
   std::uint64_t peer_max_ = 0;
   std::uint64_t peer_caps_ = 0;
   std::uint64_t next_id_ = 1;
+  std::uint64_t matches_ = 0;  // messages handed to receives so far (repost_recv)
   op* close_op_ = nullptr;
   bool close_posted_ = false;
   std::size_t rendezvous_out_ = 0;  // rendezvous sends whose data is posted, not yet written
@@ -730,16 +741,9 @@ class engine {
   op_list rma_{};            // puts and gets awaiting their answer
   fifo<early_msg, &early_msg::prev, &early_msg::next> early_{};
   std::size_t early_bytes_ = 0;
-  std::vector<std::uint64_t> dropped_tokens_;   // rendezvous data to drop (cancelled receives)
-  std::vector<std::uint64_t> dropped_answers_;  // answers to drop (cancelled puts and gets, sends ended unanswered)
-  reply_slot* free_slots_ = nullptr;
-  reply_slot* serve_wait_head_ = nullptr;  // gets of Device memory waiting for a tx bounce buffer
-  reply_slot* serve_wait_tail_ = nullptr;
-  reply_slot* slots_made_ = nullptr;   // every slot allocated (next_made), freed with the engine
-  std::size_t slots_made_count_ = 0;
-  std::size_t slot_limit_ = 0;         // the credits granted in the hello
-  reply_slot spare_slot_{};            // answers no_memory when no slot can be allocated
-  bool spare_busy_ = false;
+  withdrawals withdrawals_;  // the peer's late frames for what ended here first (dropped or answered)
+  answer_budget answers_;    // the answers this side allocated for the peer, not yet written
+  reply_pool replies_{};  // the reply slots this side made for the peer's requests (engine/slots.hpp)
   // ---- the staged path ----
   std::size_t chunk_ = 0;          // bytes per bounce buffer
   std::uint64_t peer_seg_ = 0;     // the peer's chunk (its hello), 0: no limit
@@ -752,23 +756,11 @@ class engine {
   std::vector<op*> tx_wait_;       // ops waiting for a tx slot
   std::vector<op*> rx_wait_;       // ops waiting for an rx slot
   op_list staging_{};              // staged ops in no other list
-  std::vector<drop_range> dropped_ranges_;  // cancelled segmented requests' answers to drop
   bool kick_tx_ = false;          // tx slots came free: waiters go on (run_deferred)
   bool kick_rx_ = false;
   bool deferred_due_ = false;     // one of kick_tx_, kick_rx_, pumps_, credit_due_ is set (run_deferred)
   std::vector<op*> pumps_;        // ops to pump at the end of the event
-  // ---- early credits ----
-  frame credit_f_{};                   // this side's credit frame (one at a time)
-  std::uint64_t owed_bytes_ = 0;       // taken early bytes not yet granted back
-  std::uint64_t owed_msgs_ = 0;
-  std::uint64_t grant_bytes_ = 1;      // what is owed before a credit frame goes (a quarter of the budget)
-  std::uint64_t grant_msgs_ = 1;
-  std::uint64_t send_bytes_credit_ = 0;  // the peer's early room this side may use
-  std::uint64_t send_msgs_credit_ = 0;
-  bool got_credit_ = false;            // the peer's first credit (its handshake is done)
-  bool waiter_turn_ = false;           // run_send_waiters is launching the head of send_wait_
-  std::size_t order_holds_ = 0;        // staged eager sends whose frame is not posted yet
-  op_list send_wait_{};                // sends waiting for a message slot
+  early_room room_{};  // early credits, both ways, and the sends that wait for them (engine/early_room.hpp)
   // ---- credits: the peer's reply slots this side may still use ----
   std::uint64_t credits_ = 0;
   bool credit_due_ = false;        // credits came back and someone waits (run_deferred)

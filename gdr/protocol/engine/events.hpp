@@ -211,10 +211,14 @@ inline void engine::on_sent(frame& f, std::error_code ec) noexcept {
     return;
   }
   if (f.own_answer) {
-    delete &f;
+    if (answers_.release(f)) resume_reading();  // a reader paused for room may go on
     return;
   }
-  if (&f == &credit_f_) {
+  if (f.own_announcement) {
+    announcement_sent(static_cast<announcement&>(f), ec);
+    return;
+  }
+  if (&f == &room_.f) {
     if (!ec) maybe_grant();  // what was owed meanwhile
     return;
   }
@@ -264,9 +268,10 @@ inline void engine::on_sent(frame& f, std::error_code ec) noexcept {
   try_finish(o);
 }
 
-inline void engine::enlist(op_list& l, op& o) noexcept {
+inline void engine::enlist(op_list& l, op& o, bool front) noexcept {
   assert(o.list_ == nullptr && "gdr: an operation put on a second list");
-  l.push_back(&o);
+  if (front) l.push_front(&o);
+  else l.push_back(&o);
   o.list_ = &l;
 }
 

@@ -22,6 +22,13 @@ struct fifo {
     tail = n;
     ++size;
   }
+  void push_front(T* n) noexcept {
+    n->*Prev = nullptr;
+    n->*Next = head;
+    (head ? head->*Prev : tail) = n;
+    head = n;
+    ++size;
+  }
   /// Unlinks `n`, which must be on this list (an assertion: unlinking a
   /// node that is not would silently empty the list).
   void erase(T* n) noexcept {

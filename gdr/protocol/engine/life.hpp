@@ -27,14 +27,14 @@ namespace gdr::detail::proto {
 
 inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options& o, protocol_stats& stats,
                       std::uint64_t caps)
-    : sched_(&s), sched_alive_(s.alive_flag()), registry_(&reg), opts_(o), stats_(&stats) {
+    : sched_(&s), sched_alive_(s.alive_flag()), registry_(&reg), opts_(o), stats_(&stats),
+      answers_(o.unexpected_messages) {
   if (opts_.rendezvous_threshold > opts_.max_message) opts_.rendezvous_threshold = opts_.max_message;
   // Room is granted back in quarters of the peer's budget (maybe_grant).
-  grant_bytes_ = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
-  grant_msgs_ = std::max<std::uint64_t>(opts_.unexpected_messages / 4, 1);
+  room_.grant_bytes = std::max<std::uint64_t>(opts_.unexpected_bytes / 4, 1);
+  room_.grant_msgs = std::max<std::uint64_t>(opts_.unexpected_messages / 4, 1);
   std::size_t n = std::max<std::size_t>(opts_.reply_slots, 1);
-  slot_limit_ = n;
-  spare_slot_.f.slot = &spare_slot_;
+  replies_.limit = n;
   resume_node_.self = this;
   resume_node_.run = &on_resume_node;
   chunk_ = std::max<std::size_t>(opts_.staging.chunk, 1);
@@ -49,10 +49,6 @@ inline engine::engine(scheduler& s, memory_registry& reg, const protocol_options
 inline engine::~engine() {
   if (abandoned_ && *sched_alive_) sched_->note_done();  // counted by abandon(): the flag never comes back
   while (early_msg* m = early_.pop_front()) delete m;
-  while (reply_slot* s = slots_made_) {
-    slots_made_ = s->next_made;
-    delete s;
-  }
 }
 
 inline std::string engine::describe() const {
@@ -87,10 +83,12 @@ inline std::string engine::describe() const {
     }
     out += "}";
   };
-  out += "credits " + std::to_string(credits_) + " msgs " + std::to_string(send_msgs_credit_) + " bytes " +
-         std::to_string(send_bytes_credit_) + " holds " + std::to_string(order_holds_) + (paused_ ? " PAUSED" : "") +
+  out += "credits " + std::to_string(credits_) + " msgs " + std::to_string(room_.send_msgs) + " bytes " +
+         std::to_string(room_.send_bytes) + " holds " + std::to_string(room_.order_holds) + (paused_ ? " PAUSED" : "") +
          " early " + std::to_string(early_.size);
   if (!deferred_.empty()) out += " deferred " + std::to_string(deferred_.size());
+  if (answers_.held() != 0) out += " answers " + std::to_string(answers_.held());
+  if (withdrawals_.announcements() != 0) out += " withdrawn " + std::to_string(withdrawals_.announcements());
   list("held", held_);
   list("announced", announced_);
   list("recvs", recvs_);
@@ -98,11 +96,11 @@ inline std::string engine::describe() const {
   list("rma", rma_);
   list("direct", direct_);
   list("staging", staging_);
-  list("send_wait", send_wait_);
+  list("send_wait", room_.send_wait);
   list("credit_wait", credit_wait_);
   {
     std::size_t n = 0;
-    for (const reply_slot* w = serve_wait_head_; w != nullptr; w = w->wait_next) ++n;
+    for (const reply_slot* w = replies_.serve_wait_head; w != nullptr; w = w->wait_next) ++n;
     if (n != 0) out += " serve_wait " + std::to_string(n);
   }
   vec("tx_wait", tx_wait_);
@@ -111,6 +109,11 @@ inline std::string engine::describe() const {
   pool("tx", tx_);
   pool("rx", rx_);
   return out;
+}
+
+inline bool engine::deletable() const noexcept {
+  return attached_ == 0 && ready_head_ == nullptr && !resume_posted_ && copies_ == 0 && outbox_head_ == nullptr &&
+         deferred_.empty() && link_quiet();
 }
 
 inline void engine::abandon() noexcept {
@@ -237,11 +240,11 @@ inline void engine::record(op& o) noexcept {
 inline void engine::start_protocol() noexcept {
   post(hello_);
   // The first grant of early-message room (see "Early credits").
-  credit_f_.hdr = header{};
-  credit_f_.hdr.type = msg::credit;
-  credit_f_.hdr.size = opts_.unexpected_bytes;
-  credit_f_.hdr.id = std::max<std::size_t>(opts_.unexpected_messages, 1);
-  post(credit_f_);
+  room_.f.hdr = header{};
+  room_.f.hdr.type = msg::credit;
+  room_.f.hdr.size = opts_.unexpected_bytes;
+  room_.f.hdr.id = std::max<std::size_t>(opts_.unexpected_messages, 1);
+  post(room_.f);
 }
 
 inline bool engine::begin_close(op& o) noexcept {
@@ -275,7 +278,7 @@ inline void engine::maybe_post_close() noexcept {
   if (close_op_ == nullptr || close_posted_ || error_ || close_op_->result_set_) return;
   // Held sends wait for the peer's hello; the close frame itself needs
   // none (this side's own hello is already ahead of it).
-  if (!held_.empty() || !send_wait_.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
+  if (!held_.empty() || !room_.send_wait.empty() || !announced_.empty() || rendezvous_out_ != 0) return;
   // A staged eager send posts its frame once its copy is done: the close
   // frame must not overtake it.
   for (op* o = staging_.head; o != nullptr; o = o->next_)
@@ -296,19 +299,17 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
     case op::stage::awaiting:
       if (o.kind_ == op::kind::recv) {
         // The data will come: drop it.
-        if (!error_) remember(dropped_tokens_, o.id_);
+        if (!error_) remembered(withdrawals_.remember_token(o.id_));
       } else if (!error_ && !o.segmented()) {
         // A request the peer has (or will have) seen: its answer must be
         // recognised and dropped.
-        remember(dropped_answers_, o.id_);
+        remembered(withdrawals_.remember_answer(o.id_));
       }
       break;
     case op::stage::announced:
-    case op::stage::withdrawing:
-      // A send ended by a frame that did not go (its rts_cancel, after the
-      // peer's end): the peer's rtr or rts_withdrawn may still be in what
-      // this side has not read, and is dropped when it comes.
-      if (!error_) remember(dropped_answers_, o.id_);
+      // No rtr has come: withdrawn here, whatever the peer does; its
+      // announcement tells the peer and answers a late rtr.
+      end_announcement(o);
       break;
     default: break;
   }
@@ -338,7 +339,7 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
     // Answers to the requests out will be dropped; requests not yet
     // written are taken back when it finishes (release_segments), each
     // one answer fewer to drop.
-    remember_range(o.id_, o.id_ + o.nseg_, o.out_);
+    remembered(withdrawals_.remember_range(o.id_, o.id_ + o.nseg_, o.out_));
     o.answers_dropped_ = true;
   }
   if (o.placing_ && (cur_.kind == target::op_payload || cur_.kind == target::via_host) && cur_.o == &o)
@@ -351,8 +352,8 @@ inline void engine::complete(op& o, std::error_code ec) noexcept {
 
 inline void engine::try_finish(op& o) noexcept {
   if (!o.result_set_ || o.finished_ || o.placing_) return;
-  const bool calls_link = held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_) || o.slots_ != 0 ||
-                          o.direct_out_ || o.kind_ == op::kind::close;
+  const bool calls_link = held_by_link(o.f1_) || held_by_link(o.f2_) || o.slots_ != 0 || o.direct_out_ ||
+                          o.kind_ == op::kind::close;
   if (!calls_link) {
     // Nothing of it is with the transport (a small message's usual end).
     if (o.copies_ == 0) finish_unlinked(o);
@@ -372,7 +373,7 @@ inline void engine::try_finish(op& o) noexcept {
 
 inline void engine::finish_now(op& o) noexcept {
   if (!o.result_set_ || o.finished_ || o.placing_) return;
-  if (held_by_link(o.f1_) || held_by_link(o.f2_) || held_by_link(o.f3_)) {
+  if (held_by_link(o.f1_) || held_by_link(o.f2_)) {
     if (!frames_released(o)) return;
   }
   // A direct operation the NIC has: on_direct_done finishes it.
@@ -398,7 +399,7 @@ inline void engine::finish_unlinked(op& o) noexcept {
 }
 
 inline bool engine::frames_released(op& o) noexcept {
-  for (frame* f : {&o.f1_, &o.f2_, &o.f3_}) {
+  for (frame* f : {&o.f1_, &o.f2_}) {
     if (!held_by_link(*f)) continue;
     // An rtr is never withdrawn: the sender waits for it (the data it
     // brings is dropped).
@@ -410,19 +411,8 @@ inline bool engine::frames_released(op& o) noexcept {
   return true;
 }
 
-inline void engine::remember(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept {
-  try {
-    v.push_back(id);
-  } catch (...) {
-    fail(errno_code(ENOMEM));
-  }
-}
-
-inline bool engine::forget(std::vector<std::uint64_t>& v, std::uint64_t id) noexcept {
-  auto it = std::find(v.begin(), v.end(), id);
-  if (it == v.end()) return false;
-  v.erase(it);
-  return true;
+inline void engine::remembered(bool ok) noexcept {
+  if (!ok) fail(errno_code(ENOMEM));
 }
 
 inline void engine::fail(std::error_code ec, bool in_order) noexcept {
@@ -441,7 +431,7 @@ inline void engine::fail(std::error_code ec, bool in_order) noexcept {
   while (op* o = rma_.head) complete(*o, ec);
   while (op* o = direct_.head) complete(*o, ec);  // those the NIC has finish when it gives them back
   while (op* o = credit_wait_.head) complete(*o, ec);
-  while (op* o = send_wait_.head) complete(*o, ec);
+  while (op* o = room_.send_wait.head) complete(*o, ec);
   // A receive in staging_ is copying a kept message into device memory:
   // its bytes are all here, so it completes as kept messages do.
   for (op* o = staging_.head; o != nullptr;) {
@@ -461,9 +451,14 @@ inline void engine::fail(std::error_code ec, bool in_order) noexcept {
     m = next;
   }
   drop_waiting_gets();
-  dropped_tokens_.clear();
-  dropped_answers_.clear();
-  dropped_ranges_.clear();
+  // Nothing late comes any more; an announcement whose frame the
+  // transport still holds is freed when it comes back.
+  withdrawals_.clear_ids();
+  while (announcement* a = withdrawals_.pop()) {
+    a->st = announcement::state::over;
+    a->next = announcement::due::none;
+    if (!held_by_link(*a)) delete a;
+  }
   // Deferred placements: their operations fail now and finish when the
   // transport gives the memory back (on_deferred_placed).
   for (const auto& d : deferred_)

@@ -44,7 +44,8 @@ struct frame {
   /// Posted after this side's close frame: it goes back from the outbox
   /// unsent (`on_sent` with `errc::closed`), never to the transport.
   bool after_close = false;
-  bool own_answer = false;  ///< an answer allocated for itself, freed once sent
+  bool own_answer = false;  ///< an answer allocated for itself, freed once sent (engine/answers.hpp)
+  bool own_announcement = false;  ///< a rendezvous send's announcement (engine/withdrawals.hpp)
   // ---- the transport's (queue links, progress, its encoding of the header) ----
   frame* prev;
   frame* next;
@@ -67,6 +68,13 @@ struct frame {
   /// the frame is sealed. Deliberately not initialised, like the fields
   /// of an unposted frame.
   alignas(8) std::byte encoded[64];
+
+  /// Marks the frame as carrying or naming memory only the NIC may move
+  /// (`nic_only`) of GPU `dev` (-1: host memory): see `nic_only`.
+  void mark_nic(int dev, bool only) noexcept {
+    nic_only = only;
+    device = static_cast<std::int8_t>(dev < 0 ? -1 : dev);
+  }
 
   /// Makes the frame a fresh one of `owner` (no transport state, a zero
   /// header), without touching `encoded`.

@@ -32,34 +32,10 @@ inline bool engine::begin_recv(op& o) noexcept {
     return false;
   }
   if (!spaces_allowed(o)) return false;
-  for (early_msg* m = early_.head; m != nullptr; m = m->next) {
-    if (m->tag != o.tag_) continue;
-    if (!m->rts && refuses_eager(o, m->size)) {
-      o.ec_ = errc::gpudirect_unavailable;  // the message stays for a host receive
-      return false;
-    }
-    early_.erase(m);
-    owe(m->rts ? 0 : m->size);
-    if (!m->rts && o.dev_ >= 0 && std::min<std::size_t>(m->size, o.size_) != 0) {
-      // Kept eager bytes for device memory: through a bounce buffer.
-      early_bytes_ -= m->size;
-      resume_reading();
-      deliver_early_staged(o, m);
-      return true;
-    }
-    if (!m->rts) {
-      // Kept eager bytes: received now, without suspending.
-      early_bytes_ -= m->size;
-      o.ec_ = deliver_early(o, *m);
-      delete m;
-      resume_reading();
-      return false;
-    }
-    if (error_) break;  // an announcement can no longer be answered
-    match_rts(o, m->size, m->sid);
-    delete m;
-    resume_reading();
-    return true;
+  switch (take_kept(o)) {
+    case kept::done: return false;
+    case kept::pending: return true;
+    case kept::none: break;
   }
   if (error_) {
     o.ec_ = error_;
@@ -71,6 +47,66 @@ inline bool engine::begin_recv(op& o) noexcept {
   return true;
 }
 
+inline engine::kept engine::take_kept(op& o) noexcept {
+  for (early_msg* m = early_.head; m != nullptr; m = m->next) {
+    if (m->tag != o.tag_) continue;
+    if (!m->rts && refuses_eager(o, m->size)) {
+      o.ec_ = errc::gpudirect_unavailable;  // the message stays for a host receive
+      return kept::done;
+    }
+    if (m->rts && error_) return kept::none;  // an announcement can no longer be answered
+    early_.erase(m);
+    owe(m->rts ? 0 : m->size);
+    ++matches_;
+    if (!m->rts && o.dev_ >= 0 && std::min<std::size_t>(m->size, o.size_) != 0) {
+      // Kept eager bytes for device memory: through a bounce buffer.
+      early_bytes_ -= m->size;
+      resume_reading();
+      deliver_early_staged(o, m);
+      return kept::pending;
+    }
+    if (!m->rts) {
+      // Kept eager bytes: received now, without suspending.
+      early_bytes_ -= m->size;
+      o.ec_ = deliver_early(o, *m);
+      delete m;
+      resume_reading();
+      return kept::done;
+    }
+    match_rts(o, m->size, m->sid);
+    delete m;
+    resume_reading();
+    return kept::pending;
+  }
+  return kept::none;
+}
+
+inline void engine::repost_recv(op& r) noexcept {
+  delist(r);
+  r.to(op::stage::idle);  // nothing more comes for its token
+  // Back in line only if that keeps the order of its tag: no receive has
+  // taken a message since this one matched (a later receive of its tag
+  // that did would otherwise have overtaken it), a frame is free for its
+  // next rtr (the last one's may still be with the transport), and
+  // receiving goes on.
+  if (r.matched_at_ != matches_ || (held_by_link(r.f1_) && held_by_link(r.f2_)) || closing_ || error_) {
+    complete(r, errc::withdrawn);
+    return;
+  }
+  r.ec_ = {};
+  r.id_ = 0;
+  r.msg_size_ = r.total_ = r.issued_ = r.done_ = 0;
+  r.proto_ = wire_protocol::none;
+  switch (take_kept(r)) {
+    case kept::done: complete(r, r.ec_); return;
+    case kept::pending: return;
+    case kept::none: break;
+  }
+  // The first of its tag again: before any receive of its tag posted since.
+  r.to(op::stage::posted);
+  enlist(recvs_, r, true);
+}
+
 inline op* engine::find_recv(std::uint64_t tag) noexcept {
   for (op* r = recvs_.head; r != nullptr; r = r->next_)
     if (r->tag_ == tag) return r;
@@ -78,6 +114,7 @@ inline op* engine::find_recv(std::uint64_t tag) noexcept {
 }
 
 inline void engine::take_recv(op& r) noexcept {
+  ++matches_;
   delist(r);
   r.to(op::stage::idle);
 }
@@ -102,6 +139,7 @@ inline std::error_code engine::deliver_early(op& r, const early_msg& m) noexcept
 
 inline void engine::match_rts(op& r, std::uint64_t size, std::uint64_t sid) noexcept {
   r.id_ = next_id_++;
+  r.matched_at_ = matches_;  // (repost_recv)
   r.msg_size_ = static_cast<std::size_t>(size);
   r.proto_ = wire_protocol::rendezvous;
   std::size_t accept = std::min<std::size_t>(size, r.size_);
@@ -111,13 +149,15 @@ inline void engine::match_rts(op& r, std::uint64_t size, std::uint64_t sid) noex
   r.issued_ = 0;
   r.done_ = 0;
   enlist(awaiting_data_, r);
-  frame& f = r.f1_;
+  // Its first frame, or, back in line after a withdrawn message while the
+  // transport still holds that rtr, its second (repost_recv).
+  frame& f = held_by_link(r.f1_) ? r.f2_ : r.f1_;
   f.reset(&r);
   f.hdr.type = msg::rtr;
   f.hdr.id = sid;
   f.hdr.size = accept;
   f.hdr.addr = r.id_;
-  mark_nic(f, r.nic_dev_, r.nic_dev_ >= 0);
+  f.mark_nic(r.nic_dev_, r.nic_dev_ >= 0);
   // Device memory takes the data in frames no larger than its bounce
   // buffers.
   if (r.dev_ >= 0) f.hdr.key = chunk_;
@@ -153,14 +193,14 @@ inline rx_plan engine::rx_hello(const header& h) noexcept {
   if (h.key == 0) {
     // A peer that counts no credits (a hand-written one: every gdr peer
     // has reply slots): it sends no credit frame and bounds nothing.
-    send_bytes_credit_ = send_msgs_credit_ = ~std::uint64_t{0} / 2;
+    room_.send_bytes = room_.send_msgs = ~std::uint64_t{0} / 2;
     handshake_done();
   }
   return consumed();
 }
 
 inline void engine::handshake_done() noexcept {
-  if (std::exchange(got_credit_, true)) return;
+  if (std::exchange(room_.got_first, true)) return;
   while (op* o = held_.head) {
     delist(*o);
     o->to(op::stage::idle);
@@ -170,8 +210,8 @@ inline void engine::handshake_done() noexcept {
 }
 
 inline rx_plan engine::rx_credit(const header& h) noexcept {
-  send_bytes_credit_ += h.size;
-  send_msgs_credit_ += h.id;
+  room_.send_bytes += h.size;
+  room_.send_msgs += h.id;
   handshake_done();
   run_send_waiters();
   maybe_post_close();
@@ -256,6 +296,7 @@ inline rx_plan engine::rx_rts(const header& h) noexcept {
     return consumed();
   }
   if (closing_) {  // no receive will take it: the sender learns now
+    if (!answers_.room()) return pause_reading();  // (engine/answers.hpp)
     owe(0);
     answer_withdrawn(h.id);
     return consumed();
@@ -278,7 +319,7 @@ inline void engine::drop_kept_messages() noexcept {
     early_.erase(m);
     if (m->rts) {
       owe(0);
-      answer_withdrawn(m->sid);
+      answer_withdrawn(m->sid, true);  // owed whatever the room: at most unexpected_messages
     } else {
       early_bytes_ -= m->size;
       owe(m->size);
@@ -289,42 +330,42 @@ inline void engine::drop_kept_messages() noexcept {
 }
 
 inline void engine::owe(std::uint64_t bytes) noexcept {
-  owed_bytes_ += bytes;
-  ++owed_msgs_;
-  if (owed_bytes_ >= grant_bytes_ || owed_msgs_ >= grant_msgs_) maybe_grant();
+  room_.owed_bytes += bytes;
+  ++room_.owed_msgs;
+  if (room_.owed_bytes >= room_.grant_bytes || room_.owed_msgs >= room_.grant_msgs) maybe_grant();
 }
 
 inline void engine::maybe_grant() noexcept {
-  if (error_ || close_posted_ || held_by_link(credit_f_)) return;
-  if (owed_bytes_ < grant_bytes_ && owed_msgs_ < grant_msgs_) return;
-  credit_f_.reset(nullptr);
-  credit_f_.hdr.type = msg::credit;
-  credit_f_.hdr.size = std::exchange(owed_bytes_, 0);
-  credit_f_.hdr.id = std::exchange(owed_msgs_, 0);
-  post(credit_f_);
+  if (error_ || close_posted_ || held_by_link(room_.f)) return;
+  if (room_.owed_bytes < room_.grant_bytes && room_.owed_msgs < room_.grant_msgs) return;
+  room_.f.reset(nullptr);
+  room_.f.hdr.type = msg::credit;
+  room_.f.hdr.size = std::exchange(room_.owed_bytes, 0);
+  room_.f.hdr.id = std::exchange(room_.owed_msgs, 0);
+  post(room_.f);
 }
 
 inline void engine::refund(op& o) noexcept {
   if (!std::exchange(o.debited_, false)) return;
-  send_bytes_credit_ += o.debit_;
-  ++send_msgs_credit_;
-  if (!send_wait_.empty()) credit_due_ = deferred_due_ = true;
+  room_.send_bytes += o.debit_;
+  ++room_.send_msgs;
+  if (!room_.send_wait.empty()) credit_due_ = deferred_due_ = true;
 }
 
 inline void engine::release_order(op& o) noexcept {
   if (!std::exchange(o.holds_order_, false)) return;
-  --order_holds_;
-  if (order_holds_ == 0 && !send_wait_.empty()) credit_due_ = deferred_due_ = true;
+  --room_.order_holds;
+  if (room_.order_holds == 0 && !room_.send_wait.empty()) credit_due_ = deferred_due_ = true;
 }
 
 inline void engine::run_send_waiters() noexcept {
-  while (send_msgs_credit_ != 0 && order_holds_ == 0 && !send_wait_.empty()) {
-    op* o = send_wait_.head;
+  while (room_.send_msgs != 0 && room_.order_holds == 0 && !room_.send_wait.empty()) {
+    op* o = room_.send_wait.head;
     delist(*o);
     o->to(op::stage::idle);
-    waiter_turn_ = true;  // its turn: it does not queue behind the others
+    room_.waiter_turn = true;  // its turn: it does not queue behind the others
     const bool pending = launch(*o);
-    waiter_turn_ = false;
+    room_.waiter_turn = false;
     if (!pending) complete(*o, o->ec_);
   }
 }

@@ -42,7 +42,7 @@ inline rx_plan engine::rx_put_request(const header& h) noexcept {
   reply_slot* s = take_slot();
   if (s == nullptr) return pause_reading();
   auto len = static_cast<std::size_t>(h.length);
-  if (s == &spare_slot_) {
+  if (s == &replies_.spare) {
     // No slot could be allocated: refused, the payload read and dropped.
     ++stats_->no_memory;
     send_answer(s, msg::put_ack, h.id, status::no_memory, nullptr, 0);
@@ -86,7 +86,7 @@ inline rx_plan engine::rx_put_request(const header& h) noexcept {
 inline rx_plan engine::rx_get_request(const header& h) noexcept {
   reply_slot* s = take_slot();
   if (s == nullptr) return pause_reading();
-  if (s == &spare_slot_) {
+  if (s == &replies_.spare) {
     ++stats_->no_memory;
     send_answer(s, msg::get_reply, h.id, status::no_memory, nullptr, 0);
     return consumed();
@@ -110,8 +110,8 @@ inline rx_plan engine::rx_get_request(const header& h) noexcept {
       s->wait_id = h.id;
       s->wait_len = len;
       s->wait_next = nullptr;
-      (serve_wait_tail_ ? serve_wait_tail_->wait_next : serve_wait_head_) = s;
-      serve_wait_tail_ = s;
+      (replies_.serve_wait_tail ? replies_.serve_wait_tail->wait_next : replies_.serve_wait_head) = s;
+      replies_.serve_wait_tail = s;
       serve_waiting_gets();
       return consumed();
     }
@@ -134,7 +134,7 @@ inline rx_plan engine::rx_atomic_request(const header& h) noexcept {
   reply_slot* s = take_slot();
   if (s == nullptr) return pause_reading();
   constexpr std::size_t word = sizeof(std::uint64_t);
-  if (s == &spare_slot_) {
+  if (s == &replies_.spare) {
     ++stats_->no_memory;
     send_answer(s, msg::get_reply, h.id, status::no_memory, nullptr, 0);
     return drop(h.length);
@@ -182,7 +182,7 @@ inline rx_plan engine::rx_answer(const header& h) noexcept {
   op* o = rma_.head;
   while (o != nullptr && !(h.id >= o->id_ && h.id - o->id_ < o->nseg_)) o = o->next_;
   if (o == nullptr) {
-    if (forget(dropped_answers_, h.id) || forget_in_range(h.id)) return drop(h.length);  // a cancelled request's answer
+    if (withdrawals_.forget_answer(h.id) || withdrawals_.forget_in_range(h.id)) return drop(h.length);  // a cancelled request's answer
     return fail_plan();  // an answer to nothing we asked
   }
   if ((o->kind_ == op::kind::get) != get) return fail_plan();
@@ -244,9 +244,9 @@ inline void engine::run_credit_waiters() noexcept {
 }
 
 inline reply_slot* engine::take_slot() noexcept {
-  reply_slot* s = free_slots_;
+  reply_slot* s = replies_.free;
   if (s != nullptr) {
-    free_slots_ = s->next_free;
+    replies_.free = s->next_free;
     return s;
   }
   return make_slot();
@@ -258,17 +258,17 @@ inline std::error_code engine::answer_error(status st) noexcept {
 }
 
 inline reply_slot* engine::make_slot() noexcept {
-  if (slots_made_count_ >= slot_limit_) return nullptr;
+  if (replies_.made_count >= replies_.limit) return nullptr;
   auto* s = new (std::nothrow) reply_slot;
   if (s == nullptr) {
-    if (spare_busy_) return nullptr;
-    spare_busy_ = true;
-    return &spare_slot_;
+    if (replies_.spare_busy) return nullptr;
+    replies_.spare_busy = true;
+    return &replies_.spare;
   }
   s->f.slot = s;
-  s->next_made = slots_made_;
-  slots_made_ = s;
-  ++slots_made_count_;
+  s->next_made = replies_.made;
+  replies_.made = s;
+  ++replies_.made_count;
   return s;
 }
 
@@ -288,9 +288,9 @@ inline stage_slot* engine::bounce_for_request(stage_pool& p, reply_slot* s, acce
 }
 
 inline void engine::put_back_slot(reply_slot* s) noexcept {
-  assert(s != &spare_slot_ && "gdr: the spare reply slot serves no request");
-  s->next_free = free_slots_;
-  free_slots_ = s;
+  assert(s != &replies_.spare && "gdr: the spare reply slot serves no request");
+  s->next_free = replies_.free;
+  replies_.free = s;
 }
 
 inline void engine::free_slot(reply_slot* s) noexcept {
@@ -299,11 +299,11 @@ inline void engine::free_slot(reply_slot* s) noexcept {
   if (stage_slot* b = std::exchange(s->bounce, nullptr)) release_slot(*b);
   s->f.reset(nullptr);
   s->f.slot = s;
-  if (s == &spare_slot_) {
-    spare_busy_ = false;
+  if (s == &replies_.spare) {
+    replies_.spare_busy = false;
   } else {
-    s->next_free = free_slots_;
-    free_slots_ = s;
+    s->next_free = replies_.free;
+    replies_.free = s;
   }
   resume_reading();
 }
@@ -321,7 +321,7 @@ inline void engine::send_answer(reply_slot* s, msg type, std::uint64_t id, statu
   f.hdr.id = id;
   f.hdr.length = len;
   f.payload = payload;
-  mark_nic(f, device, device >= 0);
+  f.mark_nic(device, device >= 0);
   post(f);
 }
 

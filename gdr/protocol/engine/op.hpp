@@ -15,6 +15,7 @@
 #include <gdr/protocol/engine/fifo.hpp>
 #include <gdr/protocol/engine/link.hpp>
 #include <gdr/protocol/engine/slots.hpp>
+#include <gdr/protocol/engine/withdrawals.hpp>
 #include <gdr/protocol/options.hpp>
 #include <gdr/sched/cancellable.hpp>
 #include <gdr/transfer/common.hpp>
@@ -180,8 +181,7 @@ class op : private gdr::detail::cancellable<op> {
     idle,         // not started or finished
     held,         // waits for the peer's hello
     queued,       // send/put/get: its first frame is posted
-    announced,    // rendezvous send: rts posted, no rtr yet
-    withdrawing,  // rendezvous send: rts_cancel posted, waiting for rts_withdrawn or rtr
+    announced,    // rendezvous send: rts posted, no rtr yet (a stop withdraws it here at once)
     sending,      // rendezvous send: data posted (committed)
     posted,       // recv: waiting for a message
     placing,      // recv/get: its payload is being placed
@@ -194,7 +194,7 @@ class op : private gdr::detail::cancellable<op> {
   /// build asserts the move). Any stage may go back to `idle` (completed,
   /// or taken off a waiting list to be launched again), `idle` may go to
   /// any stage of the kind's, and a stage may be entered again:
-  ///   send      held, queued, announced -> withdrawing -> sending, announced -> sending
+  ///   send      held, queued, announced -> sending
   ///   recv      posted, awaiting -> placing, placing
   ///   put, get  held, queued, awaiting -> placing (a get's reply), direct
   ///   close     idle only (its frame and the link's end say where it is)
@@ -203,8 +203,7 @@ class op : private gdr::detail::cancellable<op> {
     auto own = [k](stage s) {
       switch (k) {
         case kind::send:
-          return s == stage::held || s == stage::queued || s == stage::announced || s == stage::withdrawing ||
-                 s == stage::sending;
+          return s == stage::held || s == stage::queued || s == stage::announced || s == stage::sending;
         case kind::recv: return s == stage::posted || s == stage::awaiting || s == stage::placing;
         case kind::put:
         case kind::get:
@@ -218,8 +217,7 @@ class op : private gdr::detail::cancellable<op> {
     if (from == stage::idle || from == to) return true;  // (a kept message into Device memory: placing twice)
     switch (k) {
       case kind::send:
-        return (from == stage::announced && (to == stage::withdrawing || to == stage::sending)) ||
-               (from == stage::withdrawing && to == stage::sending);
+        return from == stage::announced && to == stage::sending;
       case kind::recv:
       case kind::put:
       case kind::get: return from == stage::awaiting && to == stage::placing;
@@ -290,10 +288,11 @@ class op : private gdr::detail::cancellable<op> {
   bool finished_ = false;    // finish() ran
   bool placing_ = false;     // the transport is placing a payload into data_
   std::error_code ec_{};
-  std::error_code stop_reason_{};  // a stop that waits for an rts_withdrawn or a commit
+  std::error_code stop_reason_{};  // a stop queued (stop_due_); put/get: one that waits for its request to be written (or the NIC)
   std::size_t bytes_ = 0;
   std::size_t msg_size_ = 0;
   std::uint64_t id_ = 0;  // send id, rendezvous token, or request id
+  std::uint64_t matched_at_ = 0;  // recv: the engine's count of matches when it matched an rts (repost_recv)
   transfer_path path_ = transfer_path::none;
   wire_protocol proto_ = wire_protocol::none;
   const char* what_ = nullptr;  // more about ec_, for the exception's text
@@ -339,9 +338,9 @@ class op : private gdr::detail::cancellable<op> {
  private:
   op* ready_next_ = nullptr;
   std::coroutine_handle<> waiter_{};
-  frame f1_;                       // eager, rts, put/get request, rtr, close
-  frame f2_{frame::unposted_t{}};  // rendezvous data (reset before its post)
-  frame f3_{frame::unposted_t{}};  // rts_cancel (reset before its post)
+  frame f1_;                       // eager, put/get request, rtr, close
+  frame f2_{frame::unposted_t{}};  // rendezvous data; a receive's next rtr while f1_ is out (reset before its post)
+  announcement* ann_ = nullptr;    // rendezvous send: its rts, the engine's (engine/withdrawals.hpp)
 
 };
 

@@ -38,6 +38,31 @@ struct reply_slot {
   std::uint64_t atomic_old = 0;
 };
 
+/// An engine's reply slots (see "Reply slots" in engine/one_sided.hpp):
+/// every one it made, kept once made and freed with it; the free ones; the
+/// gets of Device memory that wait for a bounce buffer with theirs; and
+/// the spare, which answers `no_memory` when no slot can be allocated.
+struct reply_pool {
+  reply_slot* free = nullptr;
+  reply_slot* serve_wait_head = nullptr;  ///< gets of Device memory waiting for a tx bounce buffer
+  reply_slot* serve_wait_tail = nullptr;
+  reply_slot* made = nullptr;  ///< every slot allocated (`next_made`)
+  std::size_t made_count = 0;
+  std::size_t limit = 0;       ///< the credits granted in the hello: at most this many are made
+  reply_slot spare{};
+  bool spare_busy = false;
+
+  reply_pool() noexcept { spare.f.slot = &spare; }
+  reply_pool(const reply_pool&) = delete;
+  reply_pool& operator=(const reply_pool&) = delete;
+  ~reply_pool() {
+    while (reply_slot* s = made) {
+      made = s->next_made;
+      delete s;
+    }
+  }
+};
+
 /// One segment of the staged path in flight: a bounce buffer of
 /// `staging_options::chunk` bytes (rx: the bytes received, copied to the
 /// device next; tx: the bytes copied from the device, sent next), the frame

@@ -204,7 +204,7 @@ inline bool engine::launch_staged_eager(op& o) noexcept {
   // Its frame goes out only once its copy is done: the sends after it
   // wait until then, so that messages keep the order they were sent in.
   o.holds_order_ = true;
-  ++order_holds_;
+  ++room_.order_holds;
   o.seg_ = o.size_;
   o.total_ = o.size_;
   enlist(staging_, o);
@@ -378,7 +378,7 @@ inline bool engine::release_segments(op& o) noexcept {
         if (o.kind_ != op::kind::send && o.out_ != 0) {
           --o.out_;  // never sent: no answer
           credit_back();
-          if (o.answers_dropped_) forget_in_range(o.id_);
+          if (o.answers_dropped_) withdrawals_.forget_in_range(o.id_);
         }
         release_slot(*b);
       }
@@ -394,7 +394,6 @@ inline rx_plan engine::rtr_segmented(op& s, const header& h) noexcept {
   if (s.dev_ >= 0 && h.key != 0 && h.key < s.seg_) return fail_plan();  // smaller than its hello said
   if (s.dev_ < 0 && ensure_pool(tx_, false)) return fail_plan();
   delist(s);
-  s.stop_reason_ = {};
   s.to(op::stage::sending);
   ++rendezvous_out_;
   s.go_ = true;
@@ -456,29 +455,8 @@ inline rx_plan engine::segment_answer(op& o, const header& h) noexcept {
   return place(t, o.data_ + off, len, 0);
 }
 
-inline void engine::remember_range(std::uint64_t lo, std::uint64_t hi, std::uint64_t left) noexcept {
-  try {
-    dropped_ranges_.push_back({lo, hi, left});
-  } catch (...) {
-    fail(errno_code(ENOMEM));
-  }
-}
-
 inline std::size_t engine::own_segment() const noexcept {
   return peer_seg_ != 0 ? std::min<std::size_t>(chunk_, peer_seg_) : chunk_;
-}
-
-inline bool engine::is_dropped(std::uint64_t token) const noexcept {
-  return std::find(dropped_tokens_.begin(), dropped_tokens_.end(), token) != dropped_tokens_.end();
-}
-
-inline bool engine::forget_in_range(std::uint64_t id) noexcept {
-  for (auto it = dropped_ranges_.begin(); it != dropped_ranges_.end(); ++it) {
-    if (id < it->lo || id >= it->hi) continue;
-    if (--it->left == 0) dropped_ranges_.erase(it);
-    return true;
-  }
-  return false;
 }
 
 }  // namespace gdr::detail::proto

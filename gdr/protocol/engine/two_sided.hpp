@@ -1,6 +1,8 @@
 /// \file
-/// Sends: eager and rendezvous (rts, rtr, data), a send's stop (rts_cancel,
-/// rts_withdrawn), and the eager limits of a send and a receive.
+/// Sends: eager and rendezvous (rts, rtr, data), a send's stop (withdrawn
+/// here at once: the announcement that outlives it sends rts_cancel and
+/// answers a late rtr, engine/withdrawals.hpp), the peer's rts_withdrawn,
+/// and the eager limits of a send and a receive.
 ///
 /// Early credits. The room each side keeps for early messages (eager
 /// bytes and announcements no receive has taken yet: `unexpected_bytes`,
@@ -8,10 +10,14 @@
 /// frame right after the hello, then more as messages are taken. A sender
 /// spends a message slot on every message and the bytes of an eager one;
 /// short of bytes it announces the message instead (rendezvous), short of
-/// slots it waits, in order, on its own side (send_wait_). The receiver
+/// slots it waits, in order, on its own side (room_.send_wait). The receiver
 /// gives credit back in batches of a quarter of its room. So the store
 /// never fills while the reader keeps reading: the data of receives that
-/// already matched always gets through.
+/// already matched always gets through. A rendezvous send withdrawn here
+/// after its rts went gets its slot back only from the peer (which holds
+/// the rts until it reads the rts_cancel): never refunded here, so the
+/// announcements this side has withdrawn and the peer not yet answered
+/// stay within the peer's room.
 #pragma once
 
 #include <algorithm>
@@ -63,7 +69,7 @@ inline bool engine::begin_out(op& o) noexcept {
     o.ec_ = errc::message_too_large;  // the answer would exceed our own limit
     return false;
   }
-  if (!got_credit_) {  // the peer's handshake: its hello and first credit
+  if (!room_.got_first) {  // the peer's handshake: its hello and first credit
     o.to(op::stage::held);
     enlist(held_, o);
     return true;
@@ -85,16 +91,21 @@ inline bool engine::launch(op& o) noexcept {
       // Early credits: every message takes a slot of the peer's room for
       // early messages, an eager one its bytes too; without the bytes it
       // is announced instead, without a slot it waits (in order).
-      if ((!send_wait_.empty() && !waiter_turn_) || send_msgs_credit_ == 0 || order_holds_ != 0) {
+      if ((!room_.send_wait.empty() && !room_.waiter_turn) || room_.send_msgs == 0 || room_.order_holds != 0) {
         o.to(op::stage::held);
-        enlist(send_wait_, o);
+        enlist(room_.send_wait, o);
         return true;
       }
-      const bool eager = o.size_ <= eager_limit(o) && o.size_ <= send_bytes_credit_;
-      --send_msgs_credit_;
+      const bool eager = o.size_ <= eager_limit(o) && o.size_ <= room_.send_bytes;
+      announcement* a = nullptr;
+      if (!eager && (a = new (std::nothrow) announcement) == nullptr) {
+        o.ec_ = errno_code(ENOMEM);
+        return false;
+      }
+      --room_.send_msgs;
       o.debit_ = eager ? o.size_ : 0;
       o.debited_ = true;
-      send_bytes_credit_ -= o.debit_;
+      room_.send_bytes -= o.debit_;
       if (eager) {
         if (o.dev_ >= 0 && o.size_ != 0) return launch_staged_eager(o);
         o.proto_ = wire_protocol::eager;
@@ -102,7 +113,7 @@ inline bool engine::launch(op& o) noexcept {
         h.length = o.size_;
         h.tag = o.tag_;
         f.payload = o.data_;
-        mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0);  // GPUDirect: only an empty one
+        f.mark_nic(o.nic_dev_, o.nic_dev_ >= 0);  // GPUDirect: only an empty one
         // The fast path (UCX's eager short): outside any event, nothing in
         // the outbox, no other resumed coroutine about to post behind it
         // (theirs would share one write) and no close under way, the
@@ -117,22 +128,28 @@ inline bool engine::launch(op& o) noexcept {
         }
         o.to(op::stage::queued);
       } else {
+        // The rts goes from the engine's memory (withdrawals.hpp): a stop
+        // ends the send at once, whoever holds the frame then.
         o.proto_ = wire_protocol::rendezvous;
         o.id_ = next_id_++;
-        h.type = msg::rts;
-        h.size = o.size_;
-        h.tag = o.tag_;
-        h.id = o.id_;
+        a->send = &o;
+        a->id = o.id_;
+        a->size = o.size_;
+        a->hdr.type = msg::rts;
+        a->hdr.size = o.size_;
+        a->hdr.tag = o.tag_;
+        a->hdr.id = o.id_;
+        o.ann_ = a;
         o.to(op::stage::announced);
         enlist(announced_, o);
+        post(*a);
         if (o.dev_ >= 0) {
           // Copy the first chunks out while the announcement travels.
           o.seg_ = own_segment();
           o.total_ = o.size_;
-          post(f);
           pump(o);
-          return true;
         }
+        return true;
       }
       break;
     }
@@ -184,7 +201,7 @@ inline bool engine::launch(op& o) noexcept {
       } else {
         h.size = o.size_;
       }
-      mark_nic(f, o.nic_dev_, o.nic_dev_ >= 0 || o.remote_nic_);
+      f.mark_nic(o.nic_dev_, o.nic_dev_ >= 0 || o.remote_nic_);
       // Awaiting its answer from now on: the answer may be parsed before
       // the write's own completion is.
       o.to(op::stage::awaiting);
@@ -225,37 +242,101 @@ inline void engine::cancel_send(op& o, std::error_code why) noexcept {
       // else committed: it completes when written.
       return;
     case op::stage::announced:
-      if (o.f1_.queued && withdraw(o.f1_)) {
-        // The rts never left: withdrawn.
-        o.f1_.queued = false;
-        refund(o);
-        complete(o, why);  // takes it off announced_
-        ++stats_->withdrawn;
-        return;
-      }
-      // The peer has (or will have) the rts: ask for it back.
-      o.stop_reason_ = why;
-      o.to(op::stage::withdrawing);
-      o.f3_.reset(&o);
-      o.f3_.hdr.type = msg::rts_cancel;
-      o.f3_.hdr.id = o.id_;
-      post(o.f3_);
+      // No rtr has come, so no byte has moved: withdrawn at once, whatever
+      // the peer does (end_announcement tells it).
+      complete(o, why);
       return;
-    default: return;  // withdrawing already, or committed (sending)
+    default: return;  // committed (sending)
   }
+}
+
+inline void engine::end_announcement(op& s) noexcept {
+  announcement* a = std::exchange(s.ann_, nullptr);
+  if (a == nullptr) return;
+  a->send = nullptr;
+  if (error_) {
+    // Nothing more comes or goes.
+    a->st = announcement::state::over;
+    if (!held_by_link(*a)) delete a;
+    return;
+  }
+  ++stats_->withdrawn;
+  if (held_by_link(*a) && (a->in_outbox || link_calls_now()) && withdraw(*a)) {
+    // The rts never left: the peer never sees it.
+    a->queued = false;
+    refund(s);
+    delete a;
+    return;
+  }
+  // The peer has the rts, or will: it learns from an rts_cancel (behind the
+  // rts) and gives the message credit back then. Its answer, an
+  // rts_withdrawn or an rtr that was already on its way, ends the record.
+  a->st = announcement::state::withdrawn;
+  withdrawals_.add(*a);
+  post_announcement(*a, announcement::due::cancel);
+}
+
+inline void engine::take_announcement(op& s) noexcept {
+  announcement* a = std::exchange(s.ann_, nullptr);
+  a->send = nullptr;
+  a->st = announcement::state::over;
+  if (!held_by_link(*a)) delete a;  // else when the transport gives it back
+}
+
+inline void engine::post_announcement(announcement& a, announcement::due what) noexcept {
+  if (held_by_link(a)) {
+    a.next = what;  // after what the frame carries now, once it is back
+    return;
+  }
+  a.next = announcement::due::none;
+  a.reset(nullptr);
+  if (what == announcement::due::cancel) {
+    a.hdr.type = msg::rts_cancel;
+    a.hdr.id = a.id;
+  } else {
+    // The answer to a late rtr: nothing comes for that receive.
+    a.hdr.type = msg::data;
+    a.hdr.flags = flag::last | flag::withdrawn;
+    a.hdr.addr = a.token;
+  }
+  post(a);
+}
+
+inline void engine::announcement_sent(announcement& a, std::error_code ec) noexcept {
+  if (a.st == announcement::state::waiting) {
+    if (ec) complete(*a.send, failure_of(ec));  // its rts never went
+    return;
+  }
+  // What is due goes, unless the connection ended (an error, or this
+  // side's close frame went first: the peer fails what waits for it).
+  if (!ec && !error_ && a.next != announcement::due::none) {
+    post_announcement(a, a.next);
+    return;
+  }
+  a.next = announcement::due::none;
+  if (a.st == announcement::state::over) delete &a;
 }
 
 inline rx_plan engine::rx_rtr(const header& h) noexcept {
   op* s = announced_.head;
   while (s != nullptr && s->id_ != h.id) s = s->next_;
-  if (s == nullptr && forget(dropped_answers_, h.id)) return consumed();  // a send that ended unanswered
-  if (s == nullptr || h.size > s->size_) return fail_plan();  // not one of ours
+  if (s == nullptr) {
+    // A send withdrawn here before this rtr came: its receive learns that
+    // no byte comes (once; a second rtr for it is not one of ours).
+    announcement* a = withdrawals_.find(h.id);
+    if (a == nullptr || h.size > a->size) return fail_plan();
+    withdrawals_.erase(*a);
+    ++stats_->late_rtrs;
+    a->st = announcement::state::over;
+    a->token = h.addr;
+    post_announcement(*a, announcement::due::answer);  // (an rts_cancel not yet out is moot: it matched)
+    return consumed();
+  }
+  if (h.size > s->size_) return fail_plan();  // more than the message
   if (s->nic_dev_ >= 0 && h.key != 0) return fail_plan();  // a staging peer: the ends disagree
+  take_announcement(*s);  // committed now: nothing can withdraw it any more
   if (s->dev_ >= 0 || h.key != 0) return rtr_segmented(*s, h);
   delist(*s);
-  // Committed now, whatever a stop asked: a pending rts_cancel is
-  // ignored by the peer, which matched the message first.
-  s->stop_reason_ = {};
   s->to(op::stage::sending);
   ++rendezvous_out_;
   frame& f = s->f2_;
@@ -265,7 +346,7 @@ inline rx_plan engine::rx_rtr(const header& h) noexcept {
   f.hdr.length = h.size;
   f.hdr.addr = h.addr;
   f.payload = s->data_;
-  mark_nic(f, s->nic_dev_, s->nic_dev_ >= 0);
+  f.mark_nic(s->nic_dev_, s->nic_dev_ >= 0);
   post(f);
   return consumed();
 }
@@ -275,6 +356,13 @@ inline rx_plan engine::rx_data(const header& h) noexcept {
   bool last = (h.flags & flag::last) != 0;
   for (op* r = awaiting_data_.head; r != nullptr; r = r->next_) {
     if (r->id_ != token) continue;
+    if ((h.flags & flag::withdrawn) != 0) {
+      // Its sender withdrew the message before this rtr reached it: no
+      // byte comes, and none has (valid() checked the frame is empty).
+      if (r->issued_ != 0) return fail_plan();
+      repost_recv(*r);
+      return consumed();
+    }
     auto len = static_cast<std::size_t>(h.length);
     auto off = static_cast<std::size_t>(h.size);
     // Segments come in order, cover exactly what was accepted, and the
@@ -305,13 +393,16 @@ inline rx_plan engine::rx_data(const header& h) noexcept {
     t.counted = true;
     return place(t, r->data_ + off, len, 0, r->nic_dev_);
   }
-  if (last ? forget(dropped_tokens_, token) : is_dropped(token)) return drop(h.length);  // its receive was cancelled
+  if (last ? withdrawals_.forget_token(token) : withdrawals_.has_token(token)) return drop(h.length);  // its receive was cancelled
   return fail_plan();
 }
 
 inline rx_plan engine::rx_rts_cancel(const header& h) noexcept {
   for (early_msg* m = early_.head; m != nullptr; m = m->next) {
     if (!m->rts || m->sid != h.id) continue;
+    // Its answer waits for room (engine/answers.hpp): a peer that sends
+    // and never reads is not read either.
+    if (!answers_.room()) return pause_reading();
     early_.erase(m);
     delete m;
     owe(0);
@@ -322,13 +413,13 @@ inline rx_plan engine::rx_rts_cancel(const header& h) noexcept {
   return consumed();
 }
 
-inline void engine::answer_withdrawn(std::uint64_t id) noexcept {
-  auto* f = new (std::nothrow) frame;
+inline void engine::answer_withdrawn(std::uint64_t id, bool owed) noexcept {
+  frame* f = owed ? answers_.make_owed() : answers_.make();
   if (f == nullptr) {
-    fail(errno_code(ENOMEM));
+    fail(errno_code(ENOMEM));  // (the caller checked the room: no memory)
     return;
   }
-  f->own_answer = true;
+  stats_->answers_most = answers_.most();
   f->hdr.type = msg::rts_withdrawn;
   f->hdr.id = id;
   post(*f);
@@ -337,23 +428,22 @@ inline void engine::answer_withdrawn(std::uint64_t id) noexcept {
 inline rx_plan engine::rx_rts_withdrawn(const header& h) noexcept {
   op* s = announced_.head;
   while (s != nullptr && s->id_ != h.id) s = s->next_;
-  if (s == nullptr) return forget(dropped_answers_, h.id) ? consumed() : fail_plan();
-  ++stats_->withdrawn;
-  const bool asked = s->stage_ == op::stage::withdrawing;
-  s->to(op::stage::idle);  // answered: nothing more comes for it
-  if (asked) {
-    complete(*s, s->stop_reason_);  // the answer to its rts_cancel
-  } else {
-    // Unasked: the peer closed without receiving it. Closing here too,
-    // it fails as this side's pending operations do.
-    complete(*s, closing_ ? errc::closed : errc::peer_closed);
+  if (s == nullptr) {
+    // The answer to the rts_cancel of a send withdrawn here.
+    announcement* a = withdrawals_.find(h.id);
+    if (a == nullptr) return fail_plan();
+    withdrawals_.erase(*a);
+    a->st = announcement::state::over;
+    a->next = announcement::due::none;  // (an rts_cancel not yet out is moot)
+    if (!held_by_link(*a)) delete a;
+    return consumed();
   }
+  // Unasked: the peer closed without receiving it. Closing here too, it
+  // fails as this side's pending operations do.
+  ++stats_->withdrawn;
+  take_announcement(*s);
+  complete(*s, closing_ ? errc::closed : errc::peer_closed);
   return consumed();
-}
-
-inline void engine::mark_nic(frame& f, int device, bool nic_only) noexcept {
-  f.nic_only = nic_only;
-  f.device = static_cast<std::int8_t>(device < 0 ? -1 : device);
 }
 
 inline bool engine::refuses_eager(op& r, std::size_t len) noexcept {

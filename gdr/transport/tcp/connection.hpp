@@ -25,7 +25,7 @@
 /// `IORING_OP_SEND`, which costs the kernel less. In busy-poll mode, the
 /// frames posted during an event handler are written at its end by a
 /// non-blocking system call instead (`endpoint_options::direct_writes_in_busy_poll`);
-/// what the socket cannot take goes to io_uring. A small eager message sent
+/// what the socket cannot take waits for room. A small eager message sent
 /// while nothing is queued or being written, and no other coroutine of the
 /// event is about to run, is written whole by the send itself
 /// (`endpoint_options::fast_sends`, `link_send_now`; one per connection and
@@ -33,8 +33,14 @@
 /// (numbered, committed) when it joins a batch; it can no longer be
 /// withdrawn, because the frames after it carry the next sequence numbers. A
 /// short write leaves the rest sealed at the head of the queue; frames the
-/// kernel took no byte of are unsealed again. A frame is done (`on_sent`)
-/// when its last byte is in the kernel.
+/// kernel took no byte of are unsealed again. A short write means the
+/// socket is full: the writer then polls for room (POLLOUT) before it
+/// gathers the next batch, instead of handing io_uring a write that would
+/// wait in the kernel with every frame of its batch sealed. So while a
+/// peer does not read, only the frame the kernel has begun to take is
+/// committed; the frames behind it can still be withdrawn (a stopped send
+/// ends at its deadline). A frame is done (`on_sent`) when its last byte is
+/// in the kernel.
 ///
 /// Reader. One read is in flight at a time: an io_uring receive, or, while
 /// the scheduler busy-polls, a `recv(MSG_DONTWAIT)` the loop retries each
@@ -130,6 +136,8 @@ class connection final : public proto::engine {
     linger_op_.complete = &on_linger;
     watch_op_.self = this;
     watch_op_.complete = &on_watch;
+    room_op_.self = this;
+    room_op_.complete = &on_room;
     kick_.self = this;
     kick_.run = &on_kick;
     spin_.self = this;
@@ -245,7 +253,7 @@ class connection final : public proto::engine {
 
   bool link_quiet() const noexcept override {
     return !read_inflight_ && !write_inflight_ && !kick_posted_ && dropped_.empty() && !linger_inflight_ &&
-           !watch_inflight_;
+           !watch_inflight_ && !room_inflight_;
   }
   // (While ending, the read of the peer's rest is in flight until its end.)
 
@@ -298,6 +306,12 @@ class connection final : public proto::engine {
   void start_write(bool direct) noexcept;
 
   static void on_write(operation* o, int res, std::uint32_t flags) noexcept;
+
+  /// The socket is full: a poll for room, after which the writer goes on
+  /// (nothing is gathered meanwhile, so every frame not begun stays
+  /// withdrawable).
+  void wait_for_room() noexcept;
+  static void on_room(operation* o, int res, std::uint32_t flags) noexcept;
 
   /// Accounts for the write of the current batch (`res`: bytes taken, or
   /// -errno): frames entirely out are done, frames untouched are unsealed.
@@ -462,7 +476,10 @@ class connection final : public proto::engine {
   bool write_inflight_ = false;
   bool zc_write_ = false;
   bool small_ = false;           // the current batch is copied into small_buf_
-  bool write_blocked_ = false;   // a direct write came back short: next write through io_uring
+  bool write_blocked_ = false;   // a write came back short (the socket is full): the next waits for room
+  std::size_t batch_bytes_ = 0;  // bytes of the batch being written (batch_done: was it short?)
+  conn_op room_op_{};            // the poll for room in the socket (wait_for_room)
+  bool room_inflight_ = false;
   bool write_deferred_ = false;  // frames queued in a handler, written at its end (link_flush)
   bool handler_wrote_ = false;   // this handler made its one direct write
   frame* fast_rest_ = nullptr;   // link_send_now wrote part of it: link_post, next, keeps that progress

@@ -11,7 +11,9 @@
 ///   0      4    magic    "GDRT" (0x47 0x44 0x52 0x54)
 ///   4      1    version  2
 ///   5      1    type     the protocol message (gdr::detail::proto::msg)
-///   6      2    flags    0 (none is defined; any bit set is an error)
+///   6      2    flags    data: 1 = last segment, 3 = last and withdrawn (no
+///                        bytes: the sender withdrew it); else 0 (any other
+///                        bit, or a flag on another type, is an error)
 ///   8      4    seq      this frame's number in its direction: 0, 1, 2... (mod 2^32)
 ///   12     1    status   answers: 0 ok, 1 remote access denied; else 0
 ///   13     3    -        0

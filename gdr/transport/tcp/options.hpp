@@ -53,8 +53,8 @@ struct endpoint_options {
   /// handler go out at its end as one non-blocking `sendmsg` (or `send`)
   /// system call made by the loop, instead of an io_uring write (an SQE, a
   /// submission and a CQE to process: about 0.2-0.5 us more per write,
-  /// benchmarks/RESULTS.md). What the socket cannot take at once goes to
-  /// io_uring, which waits for room. false: writes always go through io_uring.
+  /// benchmarks/RESULTS.md). What the socket cannot take at once waits for
+  /// room (a poll), then goes on. false: writes always go through io_uring.
   bool direct_writes_in_busy_poll = true;
   /// In both run modes: a small eager message (up to 448 bytes) sent while
   /// nothing is queued or being written, and no other coroutine resumed by
@@ -81,6 +81,7 @@ struct endpoint_stats : protocol_stats {
   std::uint64_t direct_writes = 0;     ///< of which non-blocking system calls by the loop (busy_poll)
   std::uint64_t fast_sends = 0;        ///< of which small eager messages written whole by the send itself (fast_sends)
   std::uint64_t fast_short = 0;        ///< writes of the send itself the socket took only part of (the rest: io_uring)
+  std::uint64_t write_waits = 0;       ///< times the socket was full and the writer waited for room (a poll)
   std::uint64_t reads = 0;             ///< reads started (staging and direct; io_uring or spinning)
   std::uint64_t direct_reads = 0;      ///< of which straight into a user or registered buffer
   std::uint64_t spin_reads = 0;        ///< non-blocking recv() attempts by the loop (busy_poll, see endpoint_options)

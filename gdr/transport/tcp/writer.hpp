@@ -203,18 +203,27 @@ inline std::size_t connection::gather() noexcept {
 
 inline void connection::start_write(bool direct) noexcept {
   while (!write_inflight_ && !failed() && !tx_.empty()) {
+    if (write_blocked_) {
+      // The socket was full: nothing is gathered (so nothing sealed) until
+      // it has room again. A write handed to io_uring now would wait in the
+      // kernel with its whole batch, and every frame in it would stay
+      // committed for as long as the peer does not read; only a frame the
+      // kernel has begun to take is, this way.
+      wait_for_room();
+      return;
+    }
     std::size_t bytes = gather();
+    batch_bytes_ = bytes;
     // Zero-copy sends need io_uring's notification: never direct.
-    if (direct && direct_writes() && !write_blocked_ && !zc_write_) {
+    if (direct && direct_writes() && !zc_write_) {
       // MSG_NOSIGNAL: a write to a reset connection must report EPIPE,
       // not raise SIGPIPE (which kills the process by default).
       ssize_t r = small_ ? ::send(fd(), small_buf_, bytes, MSG_NOSIGNAL | MSG_DONTWAIT)
                          : ::sendmsg(fd(), &msg_, MSG_NOSIGNAL | MSG_DONTWAIT);
       ++stats_.writes;
       ++stats_.direct_writes;
-      // Short (the socket buffer is full): the rest waits for room in
-      // io_uring, and the next direct write only after that.
-      write_blocked_ = r < 0 || static_cast<std::size_t>(r) != bytes;
+      // Short (the socket buffer is full): batch_done marks the writer
+      // blocked, and the rest waits for room.
       if (!batch_done(r < 0 ? -errno : r)) return;
       continue;
     }
@@ -253,13 +262,39 @@ inline void connection::on_write(operation* o, int res, std::uint32_t flags) noe
   if (flags & IORING_CQE_F_NOTIF) res = c->zc_result_;
   proto::event_scope ev(*c);
   c->write_inflight_ = false;
-  c->write_blocked_ = false;
   if (c->batch_done(res)) c->start_write(true);
+  c->on_io_done();
+}
+
+inline void connection::wait_for_room() noexcept {
+  if (room_inflight_ || !sock_.valid()) return;
+  io_uring_sqe* sqe = sched().get_sqe();
+  if (sqe == nullptr) {
+    kick();  // the SQ is full: try again from the loop
+    return;
+  }
+  // POLLOUT: room again; POLLERR and POLLHUP (a reset, a shutdown) always
+  // come, and the write that follows reports them.
+  io_uring_prep_poll_add(sqe, fd(), POLLOUT);
+  io_uring_sqe_set_data(sqe, static_cast<operation*>(&room_op_));
+  sched().note_submitted();
+  room_inflight_ = true;
+  ++stats_.write_waits;
+}
+
+inline void connection::on_room(operation* o, int, std::uint32_t) noexcept {
+  connection* c = static_cast<conn_op*>(o)->self;
+  proto::event_scope ev(*c);
+  c->room_inflight_ = false;
+  c->write_blocked_ = false;
+  c->start_write(true);
   c->on_io_done();
 }
 
 inline bool connection::batch_done(ssize_t res) noexcept {
   std::size_t left = res > 0 ? static_cast<std::size_t>(res) : 0;
+  // Short, or nothing taken: the socket is full (start_write waits for room).
+  write_blocked_ = res == -EAGAIN || (res >= 0 && left < batch_bytes_);
   std::size_t n = std::exchange(batch_n_, 0);
   // The batch is the first n frames of the queue; none can have left it
   // while in flight.

@@ -182,6 +182,12 @@ inline bool connection::post_frame(frame& f) noexcept {
     switch (f.hdr.type) {
       case proto::msg::data: {
         auto r = find_remote(false, f.hdr.addr);
+        if ((f.hdr.flags & proto::flag::withdrawn) != 0) {
+          // The answer to an rtr whose send was withdrawn: no bytes, so no
+          // WRITE; a SEND, whose `last` flag ends the receive's grant there.
+          if (r != remotes_.end()) remotes_.erase(r);
+          break;
+        }
         if (r == remotes_.end()) {
           if (f.nic_only && f.hdr.length != 0)
             return gpudirect_fail("the receive of a send from Device memory offered no key (it could not "

@@ -6,8 +6,13 @@
 // the hello itself.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -513,6 +518,145 @@ TEST_CASE("a flood of get requests is served within the reply slots and flow con
     for (int i = 0; i < 2000 && ep.is_open(); ++i) co_await gdr::sleep_for(1ms);
     CHECK(ep.error() == gdr::errc::connection_lost);
     co_await ep.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+// The issue "Hostile, stalled and careless peers", item 3: an endpoint
+// answered every rts_cancel for an announcement it kept with an
+// rts_withdrawn frame of its own, queued behind a writer the peer's full
+// socket had stopped: a peer that sent pairs and never read grew it without
+// bound (2M pairs: +413 MB). Now at most `unexpected_messages` such answers
+// wait, and the endpoint stops reading until they are written.
+TEST_CASE("a peer that floods announcements with their cancels and never reads gets a bounded number of answers") {
+  tcp_test::watchdog wd(60);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp::endpoint_options opts;
+    opts.protocol.unexpected_messages = 64;  // the bound on answers waiting
+    // Small socket buffers, so that the answers the kernel absorbs before
+    // the endpoint's writer stops are few.
+    opts.socket.send_buffer = 4096;
+    opts.socket.receive_buffer = 16384;
+    tcp::listener l(sched, tcp::address::loopback(0), gdr::default_registry(), opts);
+    auto acc = l.accept();
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(fd >= 0);
+    int small = 4096;
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);  // before connect: the window it offers
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(l.local_address().port());
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+    tcp::endpoint ep = co_await std::move(acc);
+    constexpr std::uint32_t pairs = 20000;  // 20000 answers, 1.3 MB: far more than the buffers hold
+    frame_stream burst(hello_header());
+    for (std::uint32_t i = 0; i < pairs; ++i) {
+      frame_header rts;
+      rts.type = frame_type::rts;
+      rts.size = 1 << 20;
+      rts.tag = 3;
+      rts.id = i + 1;
+      burst.add(rts);
+      frame_header cancel;
+      cancel.type = frame_type::rts_cancel;
+      cancel.id = i + 1;
+      burst.add(cancel);
+    }
+    // From another thread: the burst is more than the socket buffers hold
+    // once the endpoint stops reading.
+    std::thread writer([&] { (void)burst.write_to(fd); });
+    alloc_counter::arm();
+    for (int i = 0; i < 5000 && ep.stats().paused == 0; ++i) co_await gdr::sleep_for(1ms);
+    co_await gdr::sleep_for(200ms);  // time to grow, were anything unbounded
+    const alloc_counter::counts seen = alloc_counter::disarm();
+    MESSAGE("while flooded: " << ep.stats().unexpected_rts << " announcements read, at most " << ep.stats().answers_most
+                              << " answers waiting; allocated " << seen.calls << " calls, " << seen.bytes << " bytes");
+    CHECK(ep.stats().paused >= 1);
+    CHECK(ep.stats().answers_most <= 64);
+    CHECK(ep.stats().unexpected_rts < pairs);  // it stopped reading
+    // Bounded by the answers waiting and what the small buffers absorbed,
+    // not by the flood (20000 answers and kept announcements: over 5 MB).
+    CHECK(seen.bytes < (std::size_t{1} << 20));
+    CHECK(ep.is_open());
+    // The peer reads at last: every cancel is answered, in order, and the
+    // endpoint reads the rest of the flood.
+    std::atomic<std::uint32_t> answered{0};
+    std::atomic<bool> in_order{true};
+    std::thread reader([&] {
+      std::vector<std::byte> b(tcp::wire::header_size);
+      while (answered.load() < pairs && tcp_test::raw_read(fd, b.data(), b.size())) {
+        auto r = tcp::parse_frame(b);
+        if (r.status != frame_status::ok || r.header.length != 0) break;
+        if (r.header.type != frame_type::rts_withdrawn) continue;  // its hello, credits
+        if (r.header.id != answered.load() + 1) in_order = false;
+        answered.fetch_add(1);
+      }
+    });
+    for (int i = 0; i < 20000 && answered.load() < pairs; ++i) co_await gdr::sleep_for(1ms);
+    CHECK(answered.load() == pairs);
+    CHECK(in_order.load());
+    CHECK(ep.stats().unexpected_rts == pairs);
+    CHECK(ep.stats().answers_most <= 64);
+    CHECK(ep.is_open());
+    writer.join();
+    ::shutdown(fd, SHUT_RDWR);  // ends the reader if it waits
+    reader.join();
+    ::close(fd);
+    co_await ep.close();
+  }());
+  CHECK(sched.inflight() == 0);
+}
+
+// Item 9 of the same issue: a rendezvous send stopped before its rtr came
+// is withdrawn at once, without waiting for the peer; a late rtr for it is
+// answered with a `data` frame flagged withdrawn (no bytes), once: a second
+// rtr for the same send is not one of ours.
+TEST_CASE("a late rtr for a send withdrawn by its timeout is answered that nothing comes, once") {
+  tcp_test::watchdog wd(30);
+  gdr::scheduler sched;
+  gdr::sync_wait(sched, [&]() -> gdr::task<> {
+    tcp_test::raw_peer p;
+    co_await tcp_test::make_raw_peer(sched, p);
+    REQUIRE(co_await tcp_test::read_hello(p.fd));
+    std::vector<std::byte> big(1 << 20, std::byte{5});
+    auto t0 = std::chrono::steady_clock::now();
+    gdr::op_report r = co_await p.ep.send(gdr::host_view(std::as_const(big)), {200ms}).report();
+    auto took = std::chrono::steady_clock::now() - t0;
+    CHECK(r.error == gdr::errc::timed_out);  // the peer never answered: withdrawn at its deadline
+    CHECK(took < 1s);
+    CHECK(p.ep.stats().withdrawn == 1);
+    auto rts = co_await tcp_test::read_frame(p.fd);
+    REQUIRE(rts.status == frame_status::ok);
+    REQUIRE(rts.header.type == frame_type::rts);
+    auto cancel = co_await tcp_test::read_frame(p.fd);
+    REQUIRE(cancel.status == frame_status::ok);
+    CHECK(cancel.header.type == frame_type::rts_cancel);
+    CHECK(cancel.header.id == rts.header.id);
+    // The peer's receive had matched it already: its rtr comes late.
+    frame_header rtr;
+    rtr.type = frame_type::rtr;
+    rtr.id = rts.header.id;
+    rtr.size = big.size();
+    rtr.addr = 77;  // the peer's token
+    p.out.add(rtr);
+    REQUIRE(p.out.write_to(p.fd));
+    auto answer = co_await tcp_test::read_frame(p.fd);
+    REQUIRE(answer.status == frame_status::ok);
+    CHECK(answer.header.type == frame_type::data);
+    CHECK(answer.header.flags == (proto::flag::last | proto::flag::withdrawn));
+    CHECK(answer.header.addr == 77);
+    CHECK(answer.header.length == 0);
+    CHECK(answer.header.size == 0);
+    CHECK(p.ep.stats().late_rtrs == 1);
+    CHECK(p.ep.is_open());
+    // A second rtr for it: the endpoint answered that send once already.
+    p.out.add(rtr);
+    REQUIRE(p.out.write_to(p.fd));
+    for (int i = 0; i < 2000 && p.ep.is_open(); ++i) co_await gdr::sleep_for(1ms);
+    CHECK(p.ep.error() == gdr::errc::protocol_error);
+    co_await p.ep.close();
   }());
   CHECK(sched.inflight() == 0);
 }
