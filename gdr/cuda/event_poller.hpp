@@ -329,7 +329,7 @@ class event_poller final : public copy_engine {
   }
 
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device, std::size_t n,
-                           completion* c) noexcept override;  // event_poller_ipc.hpp
+                           stream_order after, completion* c) noexcept override;  // event_poller_ipc.hpp
   std::error_code ipc_fence(int device, stream_order after, completion* c, bool& done_now) noexcept override;
   /// No work left on GPU `device`'s legacy default stream, nor on `after`.
   static bool streams_idle(int device, stream_order after) noexcept;

@@ -1,9 +1,19 @@
 /// \file
 /// The CUDA IPC members of `gdr::cuda::event_poller` (declared there; the
 /// exports and the cache of imported allocations are gdr/cuda/ipc.hpp's):
-/// a copy straight out of a peer's allocation on the GPU's IPC stream, and
-/// the fence that orders a peer's read of this process's memory after the
-/// work queued before it.
+/// a copy straight out of a peer's allocation on the GPU's IPC stream,
+/// checked against what the import really holds and ordered after the
+/// importing operation's `after` stream, and the fence that orders a
+/// peer's read of this process's memory after the work queued before it.
+///
+/// Both sides keep the operation's stream order: the owner's bytes are
+/// read only after its fence (its default stream and its `after`), and
+/// the importer's copy is queued behind an event recorded on its own
+/// `after` stream (`cudaStreamWaitEvent` on the IPC stream: no host wait),
+/// so a kernel still reading a receive's destination, or a `cudaMemsetAsync`
+/// of it, runs before the copy writes it. The IPC stream is one per GPU and
+/// keeps its copies in order: the copies queued behind a waiting one wait
+/// too.
 #pragma once
 
 #include <gdr/cuda/event_poller.hpp>
@@ -11,9 +21,9 @@
 namespace gdr::cuda {
 
 inline std::error_code event_poller::ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device,
-                                            std::size_t n, completion* c) noexcept {
-  if (n == 0 || dst == nullptr || c == nullptr || c->done == nullptr || src.device < 0 || offset > src.size ||
-      n > src.size - offset)
+                                            std::size_t n, stream_order after, completion* c) noexcept {
+  if (n == 0 || dst == nullptr || c == nullptr || c->done == nullptr || src.device < 0 ||
+      !ipc_within(offset, n, src.size) || (after && after.device < 0))
     return make_error_code(errc::invalid_argument);
   if (!reserve_fifo()) return make_error_code(std::errc::not_enough_memory);
   const int device = dst_device >= 0 ? dst_device : src.device;
@@ -21,9 +31,16 @@ inline std::error_code event_poller::ipc_copy(const ipc_memory& src, std::uint64
   if (std::error_code ec = copy_stream(device, ipc_slot, &s)) return ec;
   result<ipc_share::entry*> e = ipc_.acquire(src, device);
   if (!e) return e.error();
+  // Within what the import holds, not what the peer claimed (ipc.hpp,
+  // "Bounds"): nothing is queued for a range outside it.
+  if (!ipc_within(offset, n, (*e)->extent)) {
+    ipc_.release(*e);
+    return make_error_code(errc::protocol_error);
+  }
   copy_node* node = take_node();
   cudaEvent_t ev = nullptr;
   std::error_code ec = node == nullptr ? make_error_code(std::errc::not_enough_memory) : acquire_event(device, &ev);
+  if (!ec && after) ec = order_after(after, s);
   if (!ec) {
     ec = check(cudaMemcpyAsync(dst, (*e)->mapped + offset, n, cudaMemcpyDefault, s), "cudaMemcpyAsync (CUDA IPC)");
     if (!ec && (ec = check(cudaEventRecord(ev, s), "cudaEventRecord")))

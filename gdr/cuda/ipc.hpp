@@ -34,12 +34,25 @@
 /// in one process) is used as it is: the driver opens no handle of its own
 /// process.
 ///
+/// Bounds. A descriptor is the peer's word: its `size` is a claim. What a
+/// copy may read is the import's extent (`entry::extent`): for a legacy
+/// handle, and for this process's own memory, what the driver says the
+/// allocation holds from the opened address on (`cuMemGetAddressRange`),
+/// never more than the claim (`ipc_extent`); for a descriptor, the size
+/// mapped (mapping more than the allocation holds fails in the driver).
+/// `event_poller::ipc_copy` refuses a range outside it with
+/// `errc::protocol_error` (`ipc_within`), so a peer that claims more than
+/// it exported cannot make this GPU read past the opened allocation (an
+/// illegal address, which poisons this process's context, or this
+/// process's own memory beside the mapping).
+///
 /// Threads: the scheduler's thread only, like the poller.
 #pragma once
 
 #include <cuda.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -81,7 +94,48 @@ struct ipc_stats {
   std::uint64_t max_import_ns = 0;    ///< the longest
 };
 
+/// The bytes a copy may read from `at`, where an imported allocation
+/// begins in this process: what the driver's range holding it
+/// (`[range_base, range_base + range_size)`, from `cuMemGetAddressRange`)
+/// has from `at` on, and never more than `claimed`, the size the owner's
+/// descriptor says. 0 when `at` is not inside the range. Overflow-safe.
+constexpr std::uint64_t ipc_extent(std::uint64_t at, std::uint64_t range_base, std::uint64_t range_size,
+                                   std::uint64_t claimed) noexcept {
+  if (at < range_base || at - range_base >= range_size) return 0;
+  const std::uint64_t left = range_size - (at - range_base);
+  return claimed < left ? claimed : left;
+}
+
+/// `[offset, offset + n)` lies inside the first `extent` bytes, whatever
+/// the values (no overflow).
+constexpr bool ipc_within(std::uint64_t offset, std::uint64_t n, std::uint64_t extent) noexcept {
+  return n <= extent && offset <= extent - n;
+}
+
 namespace detail {
+
+/// `cuMemGetAddressRange`, found once (through the runtime: no link
+/// against libcuda); null where the driver does not have it.
+struct address_range {
+  using fn_t = CUresult (*)(CUdeviceptr*, std::size_t*, CUdeviceptr);
+  fn_t fn = nullptr;
+
+  static const address_range& get() noexcept {
+    static const address_range q = [] {
+      address_range r;
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult status{};
+      if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &status) ==
+              cudaSuccess &&
+          status == cudaDriverEntryPointSuccess && p != nullptr)
+        r.fn = reinterpret_cast<fn_t>(p);
+      else
+        (void)cudaGetLastError();
+      return r;
+    }();
+    return q;
+  }
+};
 
 /// The driver entry point the export needs, found once.
 struct pointer_query {
@@ -116,7 +170,8 @@ class ipc_share {
   struct entry {
     std::byte* mapped = nullptr;  ///< where the allocation is in this process
     std::uint64_t buffer_id = 0;
-    std::uint64_t size = 0;
+    std::uint64_t size = 0;    ///< the descriptor's claim (a hit must match it)
+    std::uint64_t extent = 0;  ///< the bytes from `mapped` a copy may read (see "Bounds")
     std::uint64_t last_use = 0;
     int refs = 0;
     int device = -1;
@@ -137,7 +192,8 @@ class ipc_share {
   /// Can this process share device memory at all (a GPU, and the driver's
   /// pointer query)?
   static bool capable() noexcept {
-    static const bool yes = device_unavailable_reason(0).empty() && detail::pointer_query::get().fn != nullptr;
+    static const bool yes = device_unavailable_reason(0).empty() && detail::pointer_query::get().fn != nullptr &&
+                            detail::address_range::get().fn != nullptr;
     return yes;
   }
 
@@ -251,7 +307,7 @@ class ipc_share {
       ++stats_.stale;  // freed and allocated again at the same address
       retire(it);
     }
-    evict_for(m.size);
+    evict_for(std::min<std::uint64_t>(m.size, opts_.max_bytes));  // (a claim: a hostile one may be huge)
     auto e = std::make_unique<entry>();
     e->buffer_id = m.buffer_id;
     e->size = m.size;
@@ -259,6 +315,9 @@ class ipc_share {
     if (m.pid == ::getpid()) {
       e->own = true;
       e->mapped = reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(m.base));
+      device_guard g(m.device);
+      if (g.error()) return g.error();
+      if (std::error_code ec = measure(*e, m.size)) return ec;
     } else if (m.kind == copy_engine::ipc_kind::fd) {
       if (m.fd < 0) return make_error_code(errc::invalid_argument);
       const auto t0 = std::chrono::steady_clock::now();
@@ -269,6 +328,7 @@ class ipc_share {
       e->vmm = true;
       e->granted = device >= 0 && device < 64 ? std::uint64_t{1} << device : 0;
       e->mapped = static_cast<std::byte*>(*p);
+      e->extent = m.size;  // mapped whole: the driver refuses a size the allocation does not have
     } else {
       cudaIpcMemHandle_t h;
       std::memcpy(&h, m.handle, sizeof h);
@@ -280,6 +340,12 @@ class ipc_share {
         return ec;
       note_import(t0);
       e->mapped = static_cast<std::byte*>(p);
+      // The handle opened what the owner allocated, whatever size it
+      // claims: the driver says how much that is.
+      if (std::error_code ec = measure(*e, m.size)) {
+        close(*e);
+        return ec;
+      }
     }
     e->refs = 1;
     e->last_use = ++clock_;
@@ -290,7 +356,7 @@ class ipc_share {
       close(*raw);
       return make_error_code(std::errc::not_enough_memory);
     }
-    bytes_ += m.size;
+    bytes_ += raw->extent;
     return raw;
   }
 
@@ -336,6 +402,23 @@ class ipc_share {
     ++stats_.imports;
   }
 
+  /// `e.extent`: the bytes the driver's range holding `e.mapped` has from
+  /// there, at most `claimed`. Inside a `device_guard` of `e.device`.
+  static std::error_code measure(entry& e, std::uint64_t claimed) noexcept {
+    const detail::address_range& q = detail::address_range::get();
+    if (q.fn == nullptr) return make_error_code(errc::unsupported);
+    // A driver call needs a current context: the runtime makes its
+    // primary one current here (the guard switches only when the device
+    // differs).
+    if (std::error_code ec = check(cudaSetDevice(e.device), "cudaSetDevice")) return ec;
+    CUdeviceptr base = 0;
+    std::size_t size = 0;
+    const auto at = reinterpret_cast<CUdeviceptr>(e.mapped);
+    if (std::error_code ec = detail::drv(q.fn(&base, &size, at), "cuMemGetAddressRange")) return ec;
+    e.extent = ipc_extent(at, base, size, claimed);
+    return {};
+  }
+
   /// A mapping from a descriptor, accessible to GPU `device` too.
   static std::error_code grant(entry& e, int device) noexcept {
     if (!e.vmm || device < 0 || device >= 64 || (e.granted & (std::uint64_t{1} << device)) != 0) return {};
@@ -361,7 +444,7 @@ class ipc_share {
   /// Takes `it` out of the cache: closed now, or once no copy uses it.
   void retire(std::map<key, std::unique_ptr<entry>>::iterator it) noexcept {
     std::unique_ptr<entry> e = std::move(it->second);
-    bytes_ -= e->size;
+    bytes_ -= e->extent;
     open_.erase(it);
     if (e->refs == 0) {
       close(*e);

@@ -18,15 +18,29 @@
 /// where the GPU supports that with the virtual memory API (so the verbs
 /// transport can register it). Freeing synchronizes the device first, as
 /// `cudaFree` does. With `vmm_use::automatic`, allocations below
-/// `device_allocation::vmm_min_bytes` (1 MiB) use `cudaMalloc`, which
-/// suballocates: rounding an 8-byte buffer up to 2 MiB would waste the GPU's
-/// memory; legacy IPC shares those.
+/// `device_allocation::vmm_min_bytes` (1 MiB) use `cudaMalloc`, and legacy
+/// IPC shares those (rounded up to 2 MiB all the same: "What an export
+/// shares" below).
 ///
 /// The process's rule is `vmm_use::automatic` by default;
 /// `set_device_allocation({.vmm = vmm_use::never})` makes every buffer
 /// `cudaMalloc`'s. A GPU that cannot share such memory gets `cudaMalloc`
 /// memory either way. Copies into, out of and through a peer's mapping of
 /// it run as fast as between `cudaMalloc` buffers (benchmarks/RESULTS.md).
+///
+/// What an export shares. CUDA IPC shares whole allocations, and
+/// `cudaMalloc` suballocates small ones from larger blocks, which its
+/// legacy IPC then shares whole, neighbours included (the CUDA C++
+/// Programming Guide, "Interprocess Communication": share only allocations
+/// of a 2 MiB multiple). So every Device buffer gdr makes is an allocation
+/// of its own, shared alone: a `cudaMalloc` buffer is rounded up to a
+/// multiple of 2 MiB (`ipc_block`), as the virtual memory API rounds to its
+/// granularity, and the padding past the buffer is zeroed (on the legacy
+/// default stream, which every copy and every export's fence waits for),
+/// so a peer that maps a buffer reaches that buffer and zeros, nothing
+/// else. `device_allocation::exclusive_blocks = false` lets small
+/// `cudaMalloc` buffers share blocks again (less GPU memory; an export of
+/// one then shares its neighbours).
 ///
 /// The GPU's context. The driver calls below need none, but everything
 /// after them does: an allocation makes the runtime's primary context
@@ -75,7 +89,22 @@ enum class vmm_use : std::uint8_t {
 struct device_allocation {
   vmm_use vmm = vmm_use::automatic;
   std::size_t vmm_min_bytes = std::size_t{1} << 20;
+  /// Each `cudaMalloc` buffer is an allocation of its own, a multiple of
+  /// `ipc_block`, its padding zeroed: CUDA IPC shares it alone (see the
+  /// file comment). false: the driver may put small buffers in one block.
+  bool exclusive_blocks = true;
 };
+
+/// What CUDA IPC shares at least: a `cudaMalloc` allocation of a multiple
+/// of this is a block of its own (see the file comment).
+inline constexpr std::size_t ipc_block = std::size_t{2} << 20;
+
+/// `bytes` rounded up to a multiple of `unit` (a power of two); `bytes`
+/// itself where that would overflow (an allocation that size fails anyway).
+constexpr std::size_t round_up_to(std::size_t bytes, std::size_t unit) noexcept {
+  if (bytes > static_cast<std::size_t>(-1) - (unit - 1)) return bytes;
+  return (bytes + unit - 1) & ~(unit - 1);
+}
 
 namespace detail {
 
@@ -85,6 +114,10 @@ inline std::atomic<int>& vmm_use_setting() noexcept {
 }
 inline std::atomic<std::size_t>& vmm_min_setting() noexcept {
   static std::atomic<std::size_t> v{std::size_t{1} << 20};
+  return v;
+}
+inline std::atomic<bool>& exclusive_blocks_setting() noexcept {
+  static std::atomic<bool> v{true};
   return v;
 }
 
@@ -197,12 +230,14 @@ inline std::error_code grant(CUdeviceptr va, std::size_t size, int device) noexc
 inline void set_device_allocation(device_allocation a) noexcept {
   detail::vmm_use_setting().store(static_cast<int>(a.vmm), std::memory_order_relaxed);
   detail::vmm_min_setting().store(a.vmm_min_bytes, std::memory_order_relaxed);
+  detail::exclusive_blocks_setting().store(a.exclusive_blocks, std::memory_order_relaxed);
 }
 
 /// The process's rule for Device allocations.
 inline device_allocation current_device_allocation() noexcept {
   return {static_cast<vmm_use>(detail::vmm_use_setting().load(std::memory_order_relaxed)),
-          detail::vmm_min_setting().load(std::memory_order_relaxed)};
+          detail::vmm_min_setting().load(std::memory_order_relaxed),
+          detail::exclusive_blocks_setting().load(std::memory_order_relaxed)};
 }
 
 /// Can GPU `device` allocate memory shareable by file descriptor? Asked of
@@ -267,7 +302,12 @@ class vmm_registry {
       (void)api.release(h);
       return ec;
     }
-    if ((ec = detail::grant(va, size, device))) {
+    // The padding past `bytes` travels with every export: zeros, not what
+    // this process's freed memory held (see the file comment).
+    if (!(ec = detail::grant(va, size, device)) && size > bytes)
+      ec = check(cudaMemsetAsync(reinterpret_cast<void*>(va + bytes), 0, size - bytes, cudaStreamLegacy),
+                 "cudaMemsetAsync (the padding of a virtual-memory allocation)");
+    if (ec) {
       (void)api.unmap(va, size);
       (void)api.address_free(va, size);
       (void)api.release(h);

@@ -46,7 +46,9 @@
 /// lease is taken for them. `revoke()` deregisters at once, and the NIC
 /// refuses every later access (the peer's operation fails with
 /// `errc::remote_access`). `exposure::checked` keeps a registration off
-/// the NICs: every access is then served, and checked, by the owner's loop.
+/// the NICs, and off CUDA IPC (a shared-memory peer's get of `Device`
+/// memory would otherwise map the owner's whole allocation): every access
+/// is then served, and checked, by the owner's loop.
 ///
 /// The registry remembers whether the host may dereference the memory. The
 /// host-side transports (loopback, TCP) move a put or get with the CPU, so
@@ -105,10 +107,15 @@ class revoke_awaitable;
 enum class exposure : unsigned char {
   /// Through every NIC domain the registry is exposed in (RDMA WRITE, READ
   /// and atomics by a verbs peer's NIC, no action by the owner), and served
-  /// by the owner's loop on every other transport. The default.
+  /// by the owner's loop on every other transport; over shared memory with
+  /// CUDA IPC, a served get of `Device` memory hands the peer the owner's
+  /// allocation to copy from, which it may keep mapped (docs/GUIDE.md, the
+  /// trust table). The default.
   nic,
   /// Only through the owner's loop, which checks every access (range, key,
-  /// revoked) before its own NIC or CPU moves the bytes: the checked mode.
+  /// revoked) before its own NIC, GPU or CPU moves the bytes: the checked
+  /// mode. No NIC key, and no CUDA IPC mapping: the owner copies a get's
+  /// `Device` bytes out itself (staged).
   checked,
 };
 
@@ -172,7 +179,8 @@ struct registration_record {
   std::atomic<std::uint64_t> state{0};
   /// The coroutines awaiting the revocation (guarded by the registry's mutex).
   revoke_awaitable* waiters = nullptr;
-  /// `exposure::nic`, and where it is exposed (guarded by the registry's mutex).
+  /// `exposure::nic` (set before the record is published, then read only),
+  /// and where it is exposed (guarded by the registry's mutex).
   bool nic = true;
   std::vector<nic_exposure> exposures;
 };
@@ -195,7 +203,8 @@ class access_lease {
   access_lease() noexcept = default;
   access_lease(access_lease&& o) noexcept
       : reg_(std::exchange(o.reg_, nullptr)), rec_(std::exchange(o.rec_, nullptr)),
-        data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), device_(o.device_) {}
+        data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), device_(o.device_),
+        exposed_(o.exposed_) {}
   access_lease& operator=(access_lease&& o) noexcept {
     if (this != &o) {
       release();
@@ -204,6 +213,7 @@ class access_lease {
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
       device_ = o.device_;
+      exposed_ = o.exposed_;
     }
     return *this;
   }
@@ -219,6 +229,10 @@ class access_lease {
   /// not touch it: a transport stages it through its copy engine).
   bool on_device() const noexcept { return device_ >= 0; }
   int device() const noexcept { return device_; }
+  /// The registration is `exposure::nic`: a transport may hand the peer the
+  /// memory itself (a CUDA IPC mapping of a get's answer); false
+  /// (`exposure::checked`): only this side's own copies may touch it.
+  bool exposed() const noexcept { return exposed_; }
   /// Holds an access (not moved from, not released).
   explicit operator bool() const noexcept { return rec_ != nullptr; }
 
@@ -231,13 +245,14 @@ class access_lease {
  private:
   friend class memory_registry;
   access_lease(memory_registry* reg, detail::registration_record* rec, std::byte* data, std::size_t size,
-               int device) noexcept
-      : reg_(reg), rec_(rec), data_(data), size_(size), device_(device) {}
+               int device, bool exposed) noexcept
+      : reg_(reg), rec_(rec), data_(data), size_(size), device_(device), exposed_(exposed) {}
   memory_registry* reg_ = nullptr;
   detail::registration_record* rec_ = nullptr;
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
   int device_ = -1;
+  bool exposed_ = false;
 };
 
 /// What `revoke()` returns: the revocation has happened (new accesses are
@@ -285,7 +300,8 @@ class registration {
  public:
   registration() noexcept = default;
   registration(registration&& o) noexcept
-      : reg_(std::exchange(o.reg_, nullptr)), view_(o.view_), key_(o.key_), live_(std::exchange(o.live_, false)) {}
+      : reg_(std::exchange(o.reg_, nullptr)), view_(o.view_), key_(o.key_), live_(std::exchange(o.live_, false)),
+        exposure_(o.exposure_) {}
   registration& operator=(registration&& o) noexcept {
     if (this != &o) {
       revoke_on_drop();
@@ -293,6 +309,7 @@ class registration {
       view_ = o.view_;
       key_ = o.key_;
       live_ = std::exchange(o.live_, false);
+      exposure_ = o.exposure_;
     }
     return *this;
   }
@@ -313,7 +330,8 @@ class registration {
   /// What a peer needs to reach this memory: send it in a message.
   /// `owner_rank` is this process's rank, as the bootstrap numbers peers.
   /// It carries the NIC keys of the registration's exposures (none once
-  /// revoked, or made `exposure::checked`).
+  /// revoked, or made `exposure::checked`), and says whether it was made
+  /// `exposure::checked` (`remote_view::owner_checked`).
   remote_view<std::remove_const_t<T>, S> describe(std::uint32_t owner_rank = 0) const noexcept;
 
   /// Revokes the key now: later accesses fail with `errc::remote_access`.
@@ -324,14 +342,15 @@ class registration {
 
  private:
   friend class memory_registry;
-  registration(memory_registry* r, view<T, S> v, std::uint64_t key) noexcept
-      : reg_(r), view_(v), key_(key), live_(true) {}
+  registration(memory_registry* r, view<T, S> v, std::uint64_t key, exposure e) noexcept
+      : reg_(r), view_(v), key_(key), live_(true), exposure_(e) {}
   void revoke_on_drop() noexcept;
 
   memory_registry* reg_ = nullptr;  // kept after revoke(): a later revoke() waits too
   view<T, S> view_{};
   std::uint64_t key_ = 0;
   bool live_ = false;
+  exposure exposure_ = exposure::nic;
 };
 
 /// The table of this process's registrations, consulted on every remote
@@ -383,7 +402,7 @@ class memory_registry {
       live_.erase(it);
       throw;
     }
-    return registration<T, S>(this, v, key);
+    return registration<T, S>(this, v, key, e);
   }
 
   /// Exposes the registry in NIC domain `d`: every `exposure::nic`
@@ -468,7 +487,8 @@ class memory_registry {
     // which orders it after this shared section; the release that ends the
     // lease is the acq_rel operation that publishes the access.
     r->state.fetch_add(detail::one_lease, std::memory_order_relaxed);
-    return access_lease(this, r, reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr)), len, r->device);
+    return access_lease(this, r, reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(addr)), len, r->device,
+                        r->nic);
   }
 
   /// `acquire`'s check without a lease. Deprecated for serving accesses
@@ -665,7 +685,8 @@ template <class T, class S>
 remote_view<std::remove_const_t<T>, S> registration<T, S>::describe(std::uint32_t owner_rank) const noexcept {
   std::array<std::uint64_t, 2> nic{};
   if (reg_ != nullptr && live_) nic = reg_->nic_keys(key_);
-  return {reinterpret_cast<std::uintptr_t>(view_.data()), view_.size(), key_, owner_rank, nic};
+  return {reinterpret_cast<std::uintptr_t>(view_.data()), view_.size(), key_, owner_rank, nic,
+          exposure_ == exposure::checked};
 }
 
 template <class T, class S>

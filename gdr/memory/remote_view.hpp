@@ -17,13 +17,19 @@
 /// UCX packs one rkey per transport) let a verbs peer's NIC reach the memory
 /// with no action by the owner: an RDMA WRITE, READ or atomic that the
 /// owner's NIC checks against the registration (range, rights, revoked).
-/// A view of a registration made `exposure::checked` carries none.
+/// A view of a registration made `exposure::checked` carries none, and
+/// says so (`owner_checked()`): a transport that would otherwise hand the
+/// peer the memory itself (CUDA IPC, which maps the owner's whole
+/// allocation) has every access served by the owner instead.
 ///
 /// Wire record (little-endian u64 words): address, bytes, registry key,
 /// peer | space << 32, element size | version << 32, then (version 2) two
-/// NIC keys as domain << 32 | rkey (0: none) and a zero word. A version-1
-/// record (40 bytes, version 0: the format before NIC keys) still parses,
-/// without NIC keys; any other version is refused.
+/// NIC keys as domain << 32 | rkey (0: none) and a zero word; version 3 is
+/// version 2 with that last word holding flags (bit 0: owner-checked), and
+/// `to_wire` writes it only for a view that has a flag, so a peer that
+/// reads version 2 reads every other view. A version-1 record (40 bytes,
+/// version 0: the format before NIC keys) still parses, without NIC keys;
+/// any other version, or an unknown flag, is refused.
 #pragma once
 
 #include <array>
@@ -85,10 +91,11 @@ class remote_view {
   constexpr remote_view() noexcept = default;
   constexpr remote_view(std::uint64_t addr, std::size_t count, std::uint64_t key, std::uint32_t peer) noexcept
       : addr_(addr), count_(count), key_(key), peer_(peer) {}
-  /// With NIC keys: each `domain << 32 | rkey` (0: none).
+  /// With NIC keys: each `domain << 32 | rkey` (0: none); `owner_checked`:
+  /// the registration is `exposure::checked`.
   constexpr remote_view(std::uint64_t addr, std::size_t count, std::uint64_t key, std::uint32_t peer,
-                        std::array<std::uint64_t, max_nic_keys> nic) noexcept
-      : addr_(addr), count_(count), key_(key), peer_(peer), nic_(nic) {}
+                        std::array<std::uint64_t, max_nic_keys> nic, bool owner_checked = false) noexcept
+      : addr_(addr), count_(count), key_(key), peer_(peer), nic_(nic), checked_(owner_checked) {}
 
   /// The address in the peer's address space (meaningless here).
   constexpr std::uint64_t address() const noexcept { return addr_; }
@@ -103,12 +110,16 @@ class remote_view {
   /// The view carries a NIC key of some domain: a verbs peer may reach it
   /// directly.
   constexpr bool nic_exposed() const noexcept { return nic_[0] != 0 || nic_[1] != 0; }
+  /// The registration is `exposure::checked`: every access is served, and
+  /// checked, by the owner's loop, on every transport (no NIC key, no
+  /// CUDA IPC mapping of the owner's memory).
+  constexpr bool owner_checked() const noexcept { return checked_; }
 
   /// `count` elements from `offset`, clamped to the view.
   constexpr remote_view subview(std::size_t offset, std::size_t count = static_cast<std::size_t>(-1)) const noexcept {
     if (offset > count_) offset = count_;
     if (count > count_ - offset) count = count_ - offset;
-    return remote_view(addr_ + offset * sizeof(T), count, key_, peer_, nic_);
+    return remote_view(addr_ + offset * sizeof(T), count, key_, peer_, nic_, checked_);
   }
 
   // ---- no local access: each of these says so at compile time -----------
@@ -134,25 +145,27 @@ class remote_view {
     return nullptr;
   }
 
-  /// Serializes (version 2; see the file comment).
+  /// Serializes (version 2, or 3 for a view with a flag; see the file comment).
   std::array<std::byte, wire_size> to_wire() const noexcept {
     std::array<std::byte, wire_size> w{};
+    const std::uint64_t flags = checked_ ? flag_owner_checked : 0;
     detail::store_le64(w.data() + 0, addr_);
     detail::store_le64(w.data() + 8, size_bytes());
     detail::store_le64(w.data() + 16, key_);
     detail::store_le64(w.data() + 24, static_cast<std::uint64_t>(peer_) |
                                           (static_cast<std::uint64_t>(detail::space_code<S>()) << 32));
-    detail::store_le64(w.data() + 32, sizeof(T) | (std::uint64_t{2} << 32));
+    detail::store_le64(w.data() + 32, sizeof(T) | (std::uint64_t{flags != 0 ? 3u : 2u} << 32));
     detail::store_le64(w.data() + 40, nic_[0]);
     detail::store_le64(w.data() + 48, nic_[1]);
+    detail::store_le64(w.data() + 56, flags);
     return w;
   }
 
-  /// Parses a wire record of version 2 (64 bytes) or 1 (40 bytes, no NIC
-  /// keys). Fails with `errc::invalid_argument` when the record is short for
-  /// its version, of another version, names another space, another element
-  /// size, a length that is not a whole number of elements, or has its
-  /// reserved word set.
+  /// Parses a wire record of version 3 or 2 (64 bytes) or 1 (40 bytes, no
+  /// NIC keys). Fails with `errc::invalid_argument` when the record is short
+  /// for its version, of another version, names another space, another
+  /// element size, a length that is not a whole number of elements, or has
+  /// its reserved word set (version 2) or an unknown flag (version 3).
   static result<remote_view> from_wire(std::span<const std::byte> w) noexcept {
     if (w.size() < wire_size_v1) return errc::invalid_argument;
     std::uint64_t addr = detail::load_le64(w.data());
@@ -165,22 +178,29 @@ class remote_view {
     if (static_cast<std::uint32_t>(peer_space >> 32) != detail::space_code<S>()) return errc::invalid_argument;
     if (elem != sizeof(T) || bytes % sizeof(T) != 0) return errc::invalid_argument;
     std::array<std::uint64_t, max_nic_keys> nic{};
-    if (version == 2) {
-      if (w.size() < wire_size || detail::load_le64(w.data() + 56) != 0) return errc::invalid_argument;
+    std::uint64_t flags = 0;
+    if (version == 2 || version == 3) {
+      if (w.size() < wire_size) return errc::invalid_argument;
+      flags = detail::load_le64(w.data() + 56);
+      if ((version == 2 && flags != 0) || (flags & ~flag_owner_checked) != 0) return errc::invalid_argument;
       nic[0] = detail::load_le64(w.data() + 40);
       nic[1] = detail::load_le64(w.data() + 48);
     } else if (version != 0) {
       return errc::invalid_argument;
     }
-    return remote_view(addr, bytes / sizeof(T), key, static_cast<std::uint32_t>(peer_space), nic);
+    return remote_view(addr, bytes / sizeof(T), key, static_cast<std::uint32_t>(peer_space), nic,
+                       (flags & flag_owner_checked) != 0);
   }
 
  private:
+  static constexpr std::uint64_t flag_owner_checked = 1;  // the wire's flag word (version 3)
+
   std::uint64_t addr_ = 0;
   std::size_t count_ = 0;
   std::uint64_t key_ = 0;
   std::uint32_t peer_ = 0;
   std::array<std::uint64_t, max_nic_keys> nic_{};
+  bool checked_ = false;
 };
 
 }  // namespace gdr

@@ -21,7 +21,12 @@
 ///           file-descriptor handles: memory another process can map,
 ///           gdr/cuda/vmm.hpp) from 1 MiB where the GPU supports it, and
 ///           `cudaMalloc` below that, on other GPUs, or with `vmm_use::never`;
-///           `allocation::method` says which a buffer got. The device is made
+///           `allocation::method` says which a buffer got. Either way the
+///           buffer is an allocation of its own that CUDA IPC shares alone:
+///           a `cudaMalloc` one is rounded up to a multiple of 2 MiB (the
+///           driver would otherwise put small ones in one block, which IPC
+///           shares whole) and its padding zeroed, unless the rule's
+///           `exclusive_blocks` is off (gdr/cuda/vmm.hpp). The device is made
 ///           current for the call and restored after. Without a GPU: `errc::no_device`, and
 ///           `failure_message` says why (no driver, no device, bad ordinal).
 ///           Without CUDA in the translation unit there is no Device resource:
@@ -187,8 +192,18 @@ struct memory_resource<Device> {
     }
     cuda::device_guard guard(device);
     if (guard.error()) return guard.error();
+    // A block of its own (gdr/cuda/vmm.hpp, "What an export shares").
+    const std::size_t size = rule.exclusive_blocks ? cuda::round_up_to(bytes, cuda::ipc_block) : bytes;
     void* p = nullptr;
-    if (std::error_code ec = cuda::check(cudaMalloc(&p, bytes), "cudaMalloc")) return ec;
+    if (std::error_code ec = cuda::check(cudaMalloc(&p, size), "cudaMalloc")) return ec;
+    if (size > bytes) {
+      if (std::error_code ec = cuda::check(cudaMemsetAsync(static_cast<std::byte*>(p) + bytes, 0, size - bytes,
+                                                           cudaStreamLegacy),
+                                           "cudaMemsetAsync (a Device buffer's padding)")) {
+        cuda::check_or_log(cudaFree(p), "cudaFree");
+        return ec;
+      }
+    }
     return allocation{p, bytes, device, alloc_method::cuda_malloc};
   }
   static void deallocate(const allocation& a) noexcept {

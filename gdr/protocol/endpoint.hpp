@@ -402,6 +402,7 @@ class basic_endpoint {
                    remote.key(), std::move(opts)};
     o.set_spaces(detail::proto::device_of(w), space_traits<RS>::on_device);
     o.set_nic(remote.nic_keys());
+    o.set_owner_checked(remote.owner_checked());
     return o;
   }
 

@@ -151,12 +151,21 @@ class copy_engine : public poller {
   /// exported allocation `src` into `dst`: device memory of GPU
   /// `dst_device`, or host memory (-1). The allocation is imported on first
   /// use and kept (per owner process, GPU and base address, checked by
-  /// buffer id) while copies use it. `c` completes as for `copy`.
+  /// buffer id) while copies use it. `after`, when set, orders the copy
+  /// after the work already queued on that stream (the importing
+  /// operation's `op_options::after`: a kernel still reading `dst`), as
+  /// for `copy`. `c` completes as for `copy`.
   /// `src.fd` (`ipc_kind::fd`) is borrowed: used to import the allocation
   /// if it is not mapped yet.
+  ///
+  /// The descriptor is the peer's word, so its `size` is only a claim: the
+  /// range is checked against what the import really holds (the driver's
+  /// extent of the opened allocation, never more than the claim), and one
+  /// outside it is refused with `errc::protocol_error` (nothing copied),
+  /// which fails the peer's connection.
   virtual std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device,
-                                   std::size_t n, completion* c) noexcept {
-    (void)src, (void)offset, (void)dst, (void)dst_device, (void)n, (void)c;
+                                   std::size_t n, stream_order after, completion* c) noexcept {
+    (void)src, (void)offset, (void)dst, (void)dst_device, (void)n, (void)after, (void)c;
     return errc::unsupported;
   }
 

@@ -237,6 +237,27 @@ TEST_CASE("describe gives the remote view a peer needs, and it survives the wire
   CHECK(reg.resolve(back.address(), back.size_bytes(), back.key(), access::write).has_value());
 }
 
+TEST_CASE("describe says whether a registration is owner-checked, and a lease whether it is exposed") {
+  gdr::memory_registry reg;
+  std::vector<std::uint32_t> mem(16);
+  auto open = reg.register_memory(gdr::host_view(mem).subview(0, 8));
+  auto checked = reg.register_memory(gdr::host_view(mem).subview(8, 8), access::read_write, gdr::exposure::checked);
+  CHECK(!open.describe(0).owner_checked());
+  CHECK(checked.describe(0).owner_checked());
+  auto back = gdr::remote_view<std::uint32_t, gdr::Host>::from_wire(checked.describe(3).to_wire()).value();
+  CHECK(back.owner_checked());
+  auto moved = std::move(checked);
+  CHECK(moved.describe(0).owner_checked());
+  auto a = reg.acquire(open.describe(0).address(), 4, open.key(), access::read);
+  auto b = reg.acquire(moved.describe(0).address(), 4, moved.key(), access::read);
+  REQUIRE(a.has_value());
+  REQUIRE(b.has_value());
+  CHECK(a->exposed());
+  CHECK(!b->exposed());
+  gdr::access_lease c = std::move(*b);
+  CHECK(!c.exposed());
+}
+
 TEST_CASE("registering an empty view is an invalid argument") {
   gdr::memory_registry reg;
   std::vector<std::byte> mem(4);

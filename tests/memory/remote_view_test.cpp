@@ -60,13 +60,41 @@ TEST_CASE("NIC keys travel in the version-2 record and through subviews; a versi
   CHECK(!old->nic_exposed());
   // A version-2 record cut short, an unknown version, or the reserved word set: refused.
   CHECK(rv_t::from_wire(std::span(w).first(63)).error() == gdr::errc::invalid_argument);
-  auto v3 = w;
-  v3[36] = std::byte{3};
-  CHECK(rv_t::from_wire(v3).error() == gdr::errc::invalid_argument);
+  auto v4 = w;
+  v4[36] = std::byte{4};
+  CHECK(rv_t::from_wire(v4).error() == gdr::errc::invalid_argument);
   auto reserved = w;
   reserved[60] = std::byte{1};
   CHECK(rv_t::from_wire(reserved).error() == gdr::errc::invalid_argument);
   CHECK(!rv_t(0, 1, 1, 0).nic_exposed());
+}
+
+TEST_CASE("an owner-checked view travels as version 3 with its flag; any other view stays version 2") {
+  using rv_t = gdr::remote_view<std::uint64_t, gdr::Device>;
+  rv_t plain(0x2000, 32, 0x77, 1, {});
+  CHECK(!plain.owner_checked());
+  auto w2 = plain.to_wire();
+  CHECK(w2[36] == std::byte{2});  // what a reader of version 2 reads
+  CHECK(!rv_t::from_wire(w2)->owner_checked());
+  rv_t checked(0x2000, 32, 0x77, 1, {}, /*owner_checked=*/true);
+  CHECK(checked.owner_checked());
+  CHECK(checked.subview(4, 4).owner_checked());
+  auto w3 = checked.to_wire();
+  CHECK(w3[36] == std::byte{3});
+  CHECK(w3[56] == std::byte{1});
+  auto back = rv_t::from_wire(w3);
+  REQUIRE(back.has_value());
+  CHECK(back->owner_checked());
+  CHECK(back->address() == 0x2000);
+  CHECK(back->size() == 32);
+  CHECK(back->key() == 0x77);
+  // An unknown flag, or a flag in a version-2 record: refused.
+  auto unknown = w3;
+  unknown[56] = std::byte{3};
+  CHECK(rv_t::from_wire(unknown).error() == gdr::errc::invalid_argument);
+  auto flag_in_v2 = w3;
+  flag_in_v2[36] = std::byte{2};
+  CHECK(rv_t::from_wire(flag_in_v2).error() == gdr::errc::invalid_argument);
 }
 
 TEST_CASE("a length that is not a whole number of elements is rejected") {

@@ -17,7 +17,13 @@
 // owner is this process), completing from the loop like the other copies.
 // So the shared-memory transport's CUDA IPC path runs everywhere; the GPU
 // machine runs it on the driver's IPC. `refuse_export` makes every export
-// fail as memory the driver cannot share does.
+// fail as memory the driver cannot share does. As the driver knows what an
+// opened handle really holds, the stand-in remembers the bytes it exported
+// (by base, in this engine) and refuses a copy of this process's memory
+// outside them with errc::protocol_error; `overclaim` makes the next
+// exports lie like a hostile peer: `overclaim` bytes more than they hold,
+// and the payload named past its end. A copy's `after` is recorded in
+// `afters`, as for the staged copies.
 //
 // The virtual memory API's stand-in: `fd_block`s are memfds mapped shared
 // (what `cuMemCreate` with POSIX file-descriptor handles is to the GPU).
@@ -177,16 +183,41 @@ class cpu_copy_engine final : public gdr::copy_engine {
     out.size = n;
     out.buffer_id = 1;
     offset = 0;
+    try {
+      std::size_t& held = exported_[out.base];
+      held = std::max(held, n);
+    } catch (...) {
+      return gdr::errno_code(ENOMEM);
+    }
+    if (overclaim != 0) {
+      out.size = n + overclaim;
+      offset = overclaim;  // past the bytes exported, inside the claim
+    }
     return {};
   }
 
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int, std::size_t n,
-                           completion* c) noexcept override {
-    if (!ipc || n == 0 || dst == nullptr || c == nullptr) return gdr::errc::invalid_argument;
+                           gdr::stream_order after, completion* c) noexcept override {
+    if (!ipc || n == 0 || dst == nullptr || c == nullptr || offset > src.size || n > src.size - offset)
+      return gdr::errc::invalid_argument;
     auto from = reinterpret_cast<const std::byte*>(static_cast<std::uintptr_t>(src.base));
     int pid = src.pid == ::getpid() ? 0 : src.pid;
+    if (src.kind == ipc_kind::handle && pid == 0) {
+      // What the "driver" knows this allocation holds, whatever the claim.
+      auto it = exported_.find(src.base);
+      const std::uint64_t extent = it == exported_.end() ? 0 : std::min<std::uint64_t>(it->second, src.size);
+      if (n > extent || offset > extent - n) {
+        ++ipc_refused;
+        return gdr::errc::protocol_error;
+      }
+    }
+    try {
+      if (after) afters.push_back(after.stream);
+    } catch (...) {
+      return gdr::errno_code(ENOMEM);
+    }
     if (src.kind == ipc_kind::fd) {
-      if (src.fd < 0 || offset > src.size || n > src.size - offset) return gdr::errc::invalid_argument;
+      if (src.fd < 0) return gdr::errc::invalid_argument;
       if (pid != 0) {
         result_of_map m = map(src);
         if (m.p == nullptr) return gdr::errno_code(m.err);
@@ -286,6 +317,8 @@ class cpu_copy_engine final : public gdr::copy_engine {
   std::vector<CUstream_st*> afters;
   bool ipc = false;            ///< the CUDA IPC stand-in is on
   bool refuse_export = false;  ///< every export fails (memory the driver cannot share)
+  std::size_t overclaim = 0;   ///< exports claim this many bytes more, and name the payload past its end
+  std::size_t ipc_refused = 0;  ///< copies refused: outside what the export holds
   std::size_t ipc_exports = 0;
   std::size_t ipc_copies = 0;
   std::size_t ipc_forgets = 0;
@@ -361,6 +394,7 @@ class cpu_copy_engine final : public gdr::copy_engine {
   bool held_ = false;
   int fail_in_ = 0;
   std::map<std::pair<int, std::uint64_t>, mapping> mapped_;  // peers' fd blocks, by (pid, base)
+  std::map<std::uint64_t, std::size_t> exported_;            // this process's handle exports: base -> bytes
   std::vector<mapping> retired_;                             // unmapped once no copy runs
 };
 

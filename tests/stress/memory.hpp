@@ -310,7 +310,7 @@ class guarded_copy_engine final : public gdr::copy_engine {
   }
 
   std::error_code ipc_copy(const ipc_memory& src, std::uint64_t offset, void* dst, int dst_device, std::size_t n,
-                           completion* c) noexcept override {
+                           gdr::stream_order, completion* c) noexcept override {
     // A descriptor that came with the copy (the transport's, borrowed) must
     // be the one exported: the same file.
     if (src.kind == ipc_kind::fd) {

@@ -403,7 +403,10 @@ inline bool engine::drain_due() noexcept {
 inline rx_plan engine::place(target t, std::byte* dst, std::size_t want, std::uint64_t discard, int device) noexcept {
   t.want = want;
   cur_ = t;
-  return {rx_plan::action::place, dst, want, discard, device};
+  // A receive's or a get's own memory: what its `after` stream still does
+  // with it comes first.
+  const stream_order after = t.kind == target::op_payload && t.o != nullptr ? t.o->after() : stream_order{};
+  return {rx_plan::action::place, dst, want, discard, device, after};
 }
 
 inline rx_plan engine::drop(std::uint64_t n) noexcept {

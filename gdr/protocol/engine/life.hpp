@@ -130,7 +130,12 @@ inline void engine::abandon() noexcept {
 }
 
 inline bool engine::begin(op& o) noexcept {
-  if (device_direct_ && (o.dev_ >= 0 || o.remote_dev_)) {
+  // A get of an exposure::checked registration's Device memory: over CUDA
+  // IPC the answer would be the owner's allocation, mapped here; staged,
+  // the owner copies the bytes out (and refuses to answer otherwise).
+  const bool owner_copies = o.kind_ == op::kind::get && o.remote_dev_ && o.owner_checked_ &&
+                            direct_path_ == transfer_path::cuda_ipc;
+  if (device_direct_ && (o.dev_ >= 0 || o.remote_dev_) && !owner_copies) {
     // GPUDirect: not staged; the NIC moves the bytes.
     o.nic_dev_ = o.dev_;
     o.remote_nic_ = o.remote_dev_;

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include <gdr/protocol/message.hpp>
+#include <gdr/sched/stream_order.hpp>
 
 namespace gdr::detail::proto {
 
@@ -116,6 +117,11 @@ struct rx_plan {
   /// memory): only the NIC may write it. A transport that would copy the
   /// payload with the CPU fails the connection (`errc::gpudirect_unavailable`).
   int device = -1;
+  /// The stream work the placement waits for (the receiving operation's
+  /// `op_options::after`, for a receive's or a get's payload): a transport
+  /// whose GPU writes `dst` itself (CUDA IPC, a GPU copy out of a ring)
+  /// orders that write after it.
+  stream_order after{};
 };
 
 }  // namespace gdr::detail::proto

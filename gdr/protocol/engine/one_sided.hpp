@@ -93,8 +93,10 @@ inline rx_plan engine::rx_get_request(const header& h) noexcept {
   }
   auto len = static_cast<std::size_t>(h.size);
   result<access_lease> l = registry_->acquire(h.addr, len, h.key, access::read, can_stage() || device_direct_);
-  if (l && l->on_device() && len != 0 && device_direct_) {
-    // GPUDirect: the NIC reads the exposed device memory.
+  // Over CUDA IPC the answer is the registration's whole allocation, which
+  // the peer maps: an exposure::checked one is staged instead.
+  if (l && l->on_device() && len != 0 && device_direct_ && (l->exposed() || direct_path_ != transfer_path::cuda_ipc)) {
+    // GPUDirect: the NIC reads the exposed device memory (CUDA IPC: the peer's GPU).
     ++stats_->served_gets;
     s->lease = std::move(*l);
     send_answer(s, msg::get_reply, h.id, status::ok, s->lease.data(), len, s->lease.device());

@@ -51,7 +51,8 @@ class op : private gdr::detail::cancellable<op> {
         eng_(o.eng_), data_(o.data_), size_(o.size_), tag_(o.tag_), raddr_(o.raddr_), rsize_(o.rsize_),
         rkey_(o.rkey_), opts_(std::move(o.opts_)), kind_(o.kind_), dev_(o.dev_), remote_dev_(o.remote_dev_),
         nic_dev_(o.nic_dev_), remote_nic_(o.remote_nic_), atomic_(o.atomic_), atomic_args_{o.atomic_args_[0], o.atomic_args_[1]},
-        nic_{o.nic_[0], o.nic_[1]}, batch_(o.batch_), nbatch_(o.nbatch_), notify_(o.notify_), flush_(o.flush_) {}
+        nic_{o.nic_[0], o.nic_[1]}, batch_(o.batch_), nbatch_(o.nbatch_), notify_(o.notify_), flush_(o.flush_),
+        owner_checked_(o.owner_checked_) {}
   op& operator=(op&&) = delete;
 
   /// Before it is awaited: the local memory is `Device` memory of GPU `dev`
@@ -81,6 +82,11 @@ class op : private gdr::detail::cancellable<op> {
     nic_[0] = keys[0];
     nic_[1] = keys[1];
   }
+  /// Before it is awaited: the remote view is of an `exposure::checked`
+  /// registration (`remote_view::owner_checked`): a get of its `Device`
+  /// memory is staged where the transport's own move would map the
+  /// owner's allocation (CUDA IPC).
+  void set_owner_checked(bool on) noexcept { owner_checked_ = on; }
   /// Before it is awaited: a batch of `n` blocks (`gdr::block`, offsets in
   /// bytes into the local and the remote memory) instead of one transfer.
   void set_batch(const block* b, std::size_t n) noexcept {
@@ -281,6 +287,7 @@ class op : private gdr::detail::cancellable<op> {
   std::size_t nbatch_ = 0;
   std::uint64_t notify_ = 0;           // put: 1 << 32 | the value to tell the owner (direct only)
   bool flush_ = false;                 // a flush of this side's direct operations (a put of nothing)
+  bool owner_checked_ = false;         // put/get: the remote view is exposure::checked
 
   // ---- state (loop thread) ----
   stage stage_ = stage::idle;

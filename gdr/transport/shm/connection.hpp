@@ -261,6 +261,7 @@ class connection final : public proto::engine {
     std::size_t done = 0;
     std::uint64_t discard = 0;
     int device = -1;  // dst is Device memory of this GPU: the GPU copies it out of the ring
+    stream_order after{};  // its first GPU copy waits for this stream's work (the operation's `after`)
   };
 
   ~connection() override {

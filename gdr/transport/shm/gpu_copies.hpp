@@ -69,7 +69,17 @@ inline bool connection::start_ipc_copy(const proto::rx_plan& plan, const copy_en
     settle_ipc();
     return !failed() && !reader_held();
   }
-  if (std::error_code ec = ce_->ipc_copy(m, off, plan.dst, plan.device, plan.want, &j)) {
+  // Ordered after what the receiving operation's `after` stream still does
+  // with its memory, as a staged copy would be.
+  if (std::error_code ec = ce_->ipc_copy(m, off, plan.dst, plan.device, plan.want, plan.after, &j)) {
+    if (ec == errc::protocol_error) {
+      // The range lies outside what the peer's allocation really holds: a
+      // descriptor that claims more than it exported.
+      gdr::detail::log("shm", "pid %d's CUDA IPC descriptor names bytes outside its allocation; the connection fails",
+                       parts_.peer_pid);
+      protocol_fail(gdr::tcp::frame_status::bad_field);
+      return false;
+    }
     gdr::detail::log("shm", "a CUDA IPC copy out of pid %d's memory could not be started (%s); the connection fails",
                      parts_.peer_pid, ec.message().c_str());
     on_link_failed(ec);
@@ -136,8 +146,10 @@ inline void connection::settle_ipc() noexcept {
 inline void connection::start_ring_copy(std::size_t n) noexcept {
   std::size_t k = 0;
   const std::byte* src = rx_.span(0, n, k);
-  if (std::error_code ec =
-          ce_->copy(copy_engine::direction::to_device, tgt_.device, tgt_.dst + tgt_.done, src, k, {}, &ring_done_)) {
+  // The first piece waits for the operation's `after` stream; the rest
+  // queue behind it on the same stream.
+  if (std::error_code ec = ce_->copy(copy_engine::direction::to_device, tgt_.device, tgt_.dst + tgt_.done, src, k,
+                                     std::exchange(tgt_.after, stream_order{}), &ring_done_)) {
     on_link_failed(ec);
     return;
   }

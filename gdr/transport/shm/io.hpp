@@ -428,6 +428,7 @@ inline bool connection::parse_one(std::size_t& avail) noexcept {
   tgt_.want = plan.want;
   tgt_.discard = plan.discard;
   tgt_.device = plan.device;
+  tgt_.after = plan.after;
   return !failed();
 }
 

@@ -22,6 +22,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +32,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -80,6 +83,36 @@ struct dev_pairs {
       dst.back()->set(std::byte{0});
     }
   }
+};
+
+/// Work on a user's stream that a receive into `dst` must wait for
+/// (`gdr::cuda::after`): on a GPU, a host function that holds the stream
+/// for 20 ms (so an unordered copy is done long before), then 16 memsets
+/// of `dst` with 0x5a, as in the issue; on the CPU stand-in a stream that
+/// is never used, which the copy engine records (`afters`).
+struct stream_work {
+#if GDR_HAS_CUDA
+  gdr::cuda::stream s{0};
+  std::atomic<bool> ran{false};  // the host function ran (the memsets came after it)
+  static void CUDART_CB hold(void* p) {
+    std::this_thread::sleep_for(20ms);
+    static_cast<std::atomic<bool>*>(p)->store(true);
+  }
+  void queue(gdr::view<std::byte, gdr::Device> dst) {
+    ran = false;
+    REQUIRE(cudaLaunchHostFunc(s.get(), &hold, &ran) == cudaSuccess);
+    for (int i = 0; i < 16; ++i) REQUIRE(cudaMemsetAsync(dst.data(), 0x5a, dst.size(), s.get()) == cudaSuccess);
+  }
+  gdr::stream_order order() const noexcept { return gdr::cuda::after(s); }
+  /// The work was done before the operation completed.
+  bool done_before() const noexcept { return ran.load(); }
+  void finish() { REQUIRE(cudaStreamSynchronize(s.get()) == cudaSuccess); }
+#else
+  void queue(gdr::view<std::byte, gdr::Device>) noexcept {}
+  gdr::stream_order order() const noexcept { return {reinterpret_cast<CUstream_st*>(std::uintptr_t{0x5a00}), 0}; }
+  bool done_before() const noexcept { return true; }
+  void finish() noexcept {}
+#endif
 };
 
 /// The copy engine's CUDA IPC on: the stand-in's switch (the CUDA engine's
@@ -660,6 +693,148 @@ TEST_CASE("a get behind a put by CUDA IPC sees the put's bytes: the reader does 
   });
 }
 
+TEST_CASE("a CUDA IPC descriptor that claims more than its allocation holds fails the connection with protocol_error, and nothing is copied") {
+  IPC_REQUIRE_DEVICE();
+  IPC_REQUIRE_KNOBS("an export that lies");
+#if !GDR_HAS_CUDA
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
+    // The issue's descriptor: a size larger than the allocation, and the
+    // payload past its end (inside the claim, so the header's check
+    // passes). The importer's copy engine checks the range against what
+    // the import holds (tests/cuda/ipc_test.cpp for the driver's part).
+    const std::size_t n = 4096;
+    staged::dev_mem src(n), dst(n);
+    src.fill(pattern(n, 51));
+    dst.set(std::byte{0xee});
+    env.ce.overclaim = std::size_t{1} << 20;
+    auto [s, r] = co_await gdr::when_all(report_of(a.send(src.view())), report_of(b.recv(dst.view())));
+    env.ce.overclaim = 0;
+    CHECK(r.error == errc::protocol_error);
+    CHECK(s.error);
+    CHECK(b.protocol_error_reason() == gdr::tcp::frame_status::bad_field);
+    CHECK(env.ce.ipc_refused == 1);
+    CHECK(env.ce.ipc_copies == 0);
+    auto got = dst.read();
+    CHECK(std::all_of(got.begin(), got.end(), [](std::byte x) { return x == std::byte{0xee}; }));
+    co_await a.close();
+    co_await b.close();
+  });
+#endif
+}
+
+TEST_CASE("a Device receive, a get and a host message into Device memory over CUDA IPC wait for the work on their `after` stream") {
+  IPC_REQUIRE_DEVICE();
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env& env) -> gdr::task<> {
+    (void)env;
+    const std::size_t n = staged::real_gpu ? std::size_t{256} << 20 : std::size_t{1} << 20;
+    const auto p = pattern(n, 61), q = pattern(n, 62);
+    staged::dev_mem src(n), dst(n);
+    src.fill(p);
+    auto reg = gdr::register_memory(src.view());
+    stream_work work;
+    // A receive: the receiver's GPU copies out of the sender's allocation.
+    dst.set(std::byte{0});
+    work.queue(dst.view());
+    auto [x, r] = co_await gdr::when_all(report_of(a.send(src.view(), tag{1})),
+                                         report_of(b.recv(dst.view(), tag{1}, work.order())));
+    CHECK(!x.error);
+    CHECK(!r.error);
+    CHECK(r.path == transfer_path::cuda_ipc);
+    CHECK(work.done_before());  // completed only after the stream's work
+    work.finish();
+    CHECK(dst.read() == p);  // and the memsets did not overwrite the message
+    // A get: the requester's GPU copies out of the owner's registration.
+    dst.set(std::byte{0});
+    work.queue(dst.view());
+    op_report g = co_await report_of(b.get(dst.view(), reg.describe(0), work.order()));
+    CHECK(!g.error);
+    CHECK(g.path == transfer_path::cuda_ipc);
+    CHECK(work.done_before());
+    work.finish();
+    CHECK(dst.read() == p);
+    // Host bytes into Device memory: the GPU copies them out of the ring.
+    dst.set(std::byte{0});
+    work.queue(dst.view());
+    auto [hx, hr] = co_await gdr::when_all(report_of(a.send(gdr::host_view(q), tag{2})),
+                                           report_of(b.recv(dst.view(), tag{2}, work.order())));
+    CHECK(!hx.error);
+    CHECK(!hr.error);
+    CHECK(work.done_before());
+    work.finish();
+    CHECK(dst.read() == q);
+#if !GDR_HAS_CUDA
+    // The stand-in was handed the stream: by the receive's and the get's
+    // CUDA IPC copies, and by the first of the ring's copies.
+    CHECK(std::count(env.ce.afters.begin(), env.ce.afters.end(), work.order().stream) == 3);
+#endif
+    co_await reg.revoke();
+    co_await a.close();
+  });
+}
+
+TEST_CASE("an exposure::checked Device registration is served by its owner over CUDA IPC: the peer maps none of it, and a revoke refuses at once") {
+  IPC_REQUIRE_DEVICE();
+  run_both([&](shm::endpoint& a, shm::endpoint& b, staged::env&) -> gdr::task<> {
+    // b owns the registrations and serves a's gets and puts. Sizes below
+    // and above the bounce buffers' 4 MiB chunk.
+    for (std::size_t n : {std::size_t{16}, std::size_t{64 * 1024 + 3}, std::size_t{(10u << 20) + 7}}) {
+      CAPTURE(n);
+      const auto p = pattern(n, 81), q = pattern(n, 82);
+      staged::dev_mem target(n), open(n), back(n), src(n);
+      target.fill(p);
+      open.fill(p);
+      src.fill(q);
+      std::vector<std::byte> hback(n);
+      auto reg = gdr::register_memory(target.view(), gdr::access::read_write, gdr::exposure::checked);
+      auto open_reg = gdr::register_memory(open.view());
+      const auto view = reg.describe(0);
+      REQUIRE(view.owner_checked());
+      const std::uint64_t exports = b.stats().ipc_exports;
+      // Into Device and into host memory: the owner copies the bytes out
+      // (staged), its allocation never leaves it.
+      op_report r = co_await report_of(a.get(back.view(), view));
+      CHECK(!r.error);
+      CHECK(r.path == transfer_path::staged_pinned);
+      CHECK(back.read() == p);
+      CHECK(co_await a.get(host(hback), view) == n);
+      CHECK(hback == p);
+      CHECK(b.stats().ipc_exports == exports);
+      // A put: the owner's GPU copies into it, as for any registration.
+      CHECK(co_await a.put(src.view(), view) == n);
+      CHECK(target.read() == q);
+      CHECK(b.stats().ipc_exports == exports);
+      // A view stripped of its flag (a careless or hostile peer) is still
+      // refused a mapping: the owner stages what fits one bounce buffer and
+      // refuses the rest.
+      const gdr::remote_view<std::byte, gdr::Device> stripped(view.address(), view.size(), view.key(), 0);
+      back.set(std::byte{0});
+      op_report sr = co_await report_of(a.get(back.view(), stripped));
+      if (n <= (std::size_t{4} << 20)) {
+        CHECK(!sr.error);
+        CHECK(back.read() == q);
+      } else {
+        CHECK(sr.error == errc::remote_access);
+      }
+      CHECK(b.stats().ipc_exports == exports);
+      // The default exposure goes by CUDA IPC: the owner's allocation is
+      // the answer.
+      op_report o = co_await report_of(a.get(back.view(), open_reg.describe(0)));
+      CHECK(!o.error);
+      CHECK(o.path == transfer_path::cuda_ipc);
+      CHECK(b.stats().ipc_exports == exports + 1);
+      CHECK(back.read() == p);
+      // Revoked: the next access is refused, there being no mapping to keep.
+      co_await reg.revoke();
+      r = co_await report_of(a.get(back.view(), view));
+      CHECK(r.error == errc::remote_access);
+      co_await open_reg.revoke();
+    }
+    CHECK(a.bounce_buffers_in_use() == std::pair<std::size_t, std::size_t>{0, 0});
+    CHECK(b.bounce_buffers_in_use() == std::pair<std::size_t, std::size_t>{0, 0});
+    co_await a.close();
+  });
+}
+
 TEST_CASE("the handshake agrees on how Device memory moves, and refuses a peer that stages when CUDA IPC is required") {
   IPC_REQUIRE_DEVICE();
   conformance::watchdog dog(60);
@@ -843,6 +1018,20 @@ gdr::task<bool> peer_body(shm::endpoint& ep, const std::string& scenario) {
     if ((co_await report_of(ep.recv(gdr::view<std::uint32_t, gdr::Host>(&seen, 1), tag{3}))).error) co_return false;
     co_return seen == freed;
   }
+  if (scenario == "after") {
+    // 256 MiB of Device memory: sent once, then registered for a get.
+    const std::size_t n = std::size_t{256} << 20;
+    staged::dev_mem m(n);
+    m.fill(pattern(n, 71));
+    if ((co_await report_of(ep.send(m.view(), tag{1}))).error) co_return false;
+    auto reg = gdr::register_memory(m.view());
+    const auto wire = reg.describe(0).to_wire();
+    if ((co_await report_of(ep.send(gdr::host_view(wire), tag{2}))).error) co_return false;
+    std::array<std::byte, 1> done{};
+    if ((co_await report_of(ep.recv(gdr::host_view(done), tag{3}))).error) co_return false;
+    co_await reg.revoke();
+    co_return true;
+  }
   if (scenario == "send-forever" || scenario == "recv-forever") {
     staged::dev_mem m(kill_size);
     m.set(std::byte{7});
@@ -903,7 +1092,8 @@ void with_peer(const std::string& scenario, Body body, pid_t* peer_out = nullptr
   }());
   sched.drain();
   int st = wait_exit(pid);
-  if (scenario == "exchange" || scenario == "reuse" || scenario == "other-gpu" || scenario == "many-freed") {
+  if (scenario == "exchange" || scenario == "reuse" || scenario == "other-gpu" || scenario == "many-freed" ||
+      scenario == "after") {
     CHECK(WIFEXITED(st));
     CHECK(WEXITSTATUS(st) == 0);
   }
@@ -1126,6 +1316,44 @@ TEST_CASE("two processes on two GPUs exchange Device messages by CUDA IPC, peer 
       CHECK(r.path == transfer_path::cuda_ipc);
       CHECK(back.read() == p);
     }
+    co_await ep.close();
+  });
+}
+
+TEST_CASE("two processes on one GPU: a 256 MiB Device receive and a get with `after` land after the 16 memsets queued on the stream") {
+  // The issue's case (3 of 3 runs on an H100 before the fix: the receive
+  // completed in 0.5 ms and the memsets then overwrote the message).
+  IPC_REQUIRE_DEVICE();
+  if (!staged::real_gpu) GDR_SKIP("memsets on a CUDA stream: runs on a GPU (the stand-in's case is in-process)");
+  with_peer("after", [](shm::endpoint& ep, staged::env&, pid_t) -> gdr::task<> {
+    const std::size_t n = std::size_t{256} << 20;
+    const auto p = pattern(n, 71);
+    staged::dev_mem dst(n);
+    stream_work work;
+    dst.set(std::byte{0});
+    work.queue(dst.view());
+    const auto t0 = std::chrono::steady_clock::now();
+    op_report r = co_await report_of(ep.recv(dst.view(), tag{1}, work.order()));
+    const auto took = std::chrono::steady_clock::now() - t0;
+    CHECK(!r.error);
+    CHECK(r.path == transfer_path::cuda_ipc);
+    MESSAGE("the receive completed after " << std::chrono::duration<double, std::milli>(took).count() << " ms");
+    CHECK(work.done_before());
+    work.finish();
+    CHECK(dst.read() == p);
+    std::array<std::byte, gdr::remote_view<std::byte, gdr::Device>::wire_size> wire{};
+    CHECK(co_await ep.recv(gdr::host_view(wire), tag{2}) == wire.size());
+    auto remote = gdr::remote_view<std::byte, gdr::Device>::from_wire(wire).value();
+    dst.set(std::byte{0});
+    work.queue(dst.view());
+    op_report g = co_await report_of(ep.get(dst.view(), remote, work.order()));
+    CHECK(!g.error);
+    CHECK(g.path == transfer_path::cuda_ipc);
+    CHECK(work.done_before());
+    work.finish();
+    CHECK(dst.read() == p);
+    std::array<std::byte, 1> done{std::byte{1}};
+    co_await ep.send(gdr::host_view(done), tag{3});
     co_await ep.close();
   });
 }
