@@ -15,7 +15,6 @@
 #include <gdr/protocol/engine/fifo.hpp>
 #include <gdr/protocol/engine/link.hpp>
 #include <gdr/protocol/engine/slots.hpp>
-#include <gdr/protocol/engine/withdrawals.hpp>
 #include <gdr/protocol/options.hpp>
 #include <gdr/sched/cancellable.hpp>
 #include <gdr/transfer/common.hpp>
@@ -23,6 +22,7 @@
 namespace gdr::detail::proto {
 
 class engine;
+struct announcement;
 
 /// A send, recv, put, get or close: the awaitable, its queue links, its
 /// frames and its completion. Lives in the awaiting coroutine's frame.

@@ -47,7 +47,9 @@
 /// socket: every pending and later operation fails with
 /// `errc::connection_lost` as soon as this side's loop sees the hang-up
 /// (no timeout to wait for). An orderly close by the peer fails them with
-/// `errc::peer_closed`; a malformed frame with `errc::protocol_error`.
+/// `errc::peer_closed`; a malformed frame, descriptor or word of the shared
+/// memory (a head, tail or count out of bounds: the peer maps the rings and
+/// may write anything there) with `errc::protocol_error`.
 ///
 /// Threads. An endpoint belongs to one scheduler: start and await its
 /// operations on that scheduler's thread; they resume there.

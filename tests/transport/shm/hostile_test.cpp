@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -144,32 +145,25 @@ TEST_CASE("a peer that rewrites both rings' capacity words during the handshake:
     }
     // This side's messages through its 64 KiB ring, as room comes.
     int sent = 0;
+    auto top_up = [&] {
+      for (; sent < in_count && p.room() >= in_each + gdr::tcp::wire::header_size; ++sent) {
+        p.frame(eager(3, in_each), pattern(in_each, 5000 + sent));
+        p.publish();
+      }
+    };
     // The endpoint's: its hello, its credit, then the messages, each checked.
     gdr::tcp::frame_parse_result r;
     std::vector<std::byte> body;
     good = good && p.next_frame(r, body, deadline) && r.header.type == frame_type::hello &&
            p.next_frame(r, body, deadline) && r.header.type == frame_type::credit;
     for (int i = 0; good && i < out_count; ++i) {
-      while (sent < in_count && p.capacity() - (p.head() - p.mine().tail.load()) >= in_each + 64) {
-        auto v = pattern(in_each, 5000 + sent);
-        p.frame(eager(3, in_each), v);
-        p.publish();
-        ++sent;
-      }
+      top_up();
       // (Credits for what it read of this side's come between.)
       do good = p.next_frame(r, body, deadline); while (good && r.header.type == frame_type::credit);
       good = good && r.header.type == frame_type::eager && body == pattern(out_each, i);
       if (good) ++verified;
     }
-    while (good && sent < in_count && clock_type::now() < deadline) {
-      if (p.capacity() - (p.head() - p.mine().tail.load()) < in_each + 64) {
-        std::this_thread::sleep_for(50us);
-        continue;
-      }
-      p.frame(eager(3, in_each), pattern(in_each, 5000 + sent));
-      p.publish();
-      ++sent;
-    }
+    for (top_up(); good && sent < in_count && clock_type::now() < deadline; top_up()) std::this_thread::sleep_for(50us);
     peer_ok = good && sent == in_count;
     peer_done = true;
     p.wait_hangup(5s);
@@ -805,7 +799,7 @@ namespace {
 
 /// Runs the cases of `run` against endpoints on a scheduler in `mode`,
 /// with an honest pair served beside them; counts their outcomes.
-void run_cases(gdr::run_mode mode, const std::vector<std::uint64_t>& run, int (&by_outcome)[5]) {
+void run_cases(gdr::run_mode mode, const std::vector<std::uint64_t>& run, int (&by_outcome)[5], std::size_t& largest_seen) {
   gdr::scheduler sched({.mode = mode});
   staged::env env(sched);
 #if !GDR_HAS_CUDA
@@ -840,7 +834,11 @@ void run_cases(gdr::run_mode mode, const std::vector<std::uint64_t>& run, int (&
       const pid_t child = ::fork();
       REQUIRE(child >= 0);
       if (child == 0) run_child(l.name(), c);
-      std::vector<std::byte> in(ring_cap), out_buf(c.endpoint_sends);
+      // The test's own buffers first: what is allocated from here on is the endpoint's.
+      std::vector<std::byte> in(ring_cap);
+      std::vector<gdr::op_report> sent(c.endpoint_sends != 0 ? 10 : 0);
+      std::vector<std::vector<std::byte>> payloads;
+      for (std::size_t i = 0; i < sent.size(); ++i) payloads.push_back(pattern(c.endpoint_sends, 77 + i));
       gdr_test_support::reset_largest_request();
       bool refused = false;
       std::error_code refusal;
@@ -861,9 +859,6 @@ void run_cases(gdr::run_mode mode, const std::vector<std::uint64_t>& run, int (&
         int done = 0, sends_done = 0;
         gdr::op_report got;
         start(ep.recv(gdr::view<std::byte, gdr::Host>(in.data(), in.size()), gdr::tag{7}), got, done);
-        std::vector<gdr::op_report> sent(c.endpoint_sends != 0 ? 10 : 0);
-        std::vector<std::vector<std::byte>> payloads;
-        for (std::size_t i = 0; i < sent.size(); ++i) payloads.push_back(pattern(c.endpoint_sends, 77 + i));
         for (std::size_t i = 0; i < sent.size(); ++i)
           start(ep.send(gdr::view<const std::byte, gdr::Host>(payloads[i].data(), payloads[i].size())), sent[i],
                 sends_done);
@@ -894,6 +889,7 @@ void run_cases(gdr::run_mode mode, const std::vector<std::uint64_t>& run, int (&
         // to 1 GiB announced, lengths, counts, descriptors).
         const std::size_t largest = gdr_test_support::largest_request();
         CHECK(largest <= gdr::protocol_options{}.unexpected_bytes + (256u << 10));
+        largest_seen = std::max(largest_seen, largest);
         (void)co_await report_of(ep.close(2s));
         CHECK(co_await wait_until([&] { return done == 1 && sends_done == static_cast<int>(sent.size()); }, 3s));
       }
@@ -929,6 +925,7 @@ TEST_CASE("seeded hostile shared-memory peers: no crash, protocol_error, nothing
   const std::vector<std::uint64_t> all = seeds();
   const auto t0 = clock_type::now();
   int by_outcome[5] = {};
+  std::size_t largest = 0;
   // Each round of the kinds in the other run mode: even rounds sleep, odd
   // ones busy-poll (a seed replays in its own).
   for (gdr::run_mode mode : {gdr::run_mode::sleep, gdr::run_mode::busy_poll}) {
@@ -937,9 +934,10 @@ TEST_CASE("seeded hostile shared-memory peers: no crash, protocol_error, nothing
       if (((seed / kinds) % 2 == 1) == (mode == gdr::run_mode::busy_poll)) run.push_back(seed);
     const std::string run_mode = mode == gdr::run_mode::busy_poll ? "busy_poll" : "sleep";
     CAPTURE(run_mode);
-    if (!run.empty()) run_cases(mode, run, by_outcome);
+    if (!run.empty()) run_cases(mode, run, by_outcome, largest);
   }
   MESSAGE(all.size() << " seeds in " << std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::now() - t0).count()
                      << " ms: refused " << by_outcome[0] << ", protocol_error " << by_outcome[1] << ", failed "
-                     << by_outcome[2] << ", delivered " << by_outcome[3] << ", any " << by_outcome[4]);
+                     << by_outcome[2] << ", delivered " << by_outcome[3] << ", any " << by_outcome[4]
+                     << "; the largest allocation while a case ran: " << largest << " bytes");
 }

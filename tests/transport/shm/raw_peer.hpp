@@ -173,6 +173,8 @@ class peer {
   d::ring_control& mine() const noexcept { return *reinterpret_cast<d::ring_control*>(mine_); }
   std::size_t capacity() const noexcept { return cap_; }
   std::uint64_t head() const noexcept { return head_; }
+  /// Room in its ring: what the endpoint's tail gives back.
+  std::size_t room() const noexcept { return cap_ - static_cast<std::size_t>(head_ - mine().tail.load()); }
 
   /// Copies `n` bytes in at the head (wrapping), unpublished. No room check:
   /// a test that writes more than the endpoint read overwrites it.

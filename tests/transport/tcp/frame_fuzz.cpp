@@ -12,7 +12,7 @@
 //     (gdr/protocol/message.hpp): no payload on types without one, refusals
 //     carry no data, lengths and sizes within the limit, a hello names a
 //     version and a limit and known capabilities only, unused fields zero,
-//     the `last` flag on data frames only;
+//     the `last` flag on data frames only, `withdrawn` with it on empty ones;
 //   * a refused header is refused with the same status every time, and
 //     nothing of it is handed out.
 // The first input byte picks the length limit, so small limits are explored too.
@@ -36,8 +36,12 @@ namespace {
 // proto::valid.
 bool obeys_rules(const tcp::frame_header& h, std::uint64_t limit) {
   if (h.length > limit) return false;
-  // The one flag, `last`, belongs to data frames.
-  if (h.flags != 0 && !(h.type == tcp::frame_type::data && h.flags == proto::flag::last)) return false;
+  // The flags belong to data frames: `last`, or `last` and `withdrawn` on
+  // an empty one at offset 0 (the answer to an rtr whose send was
+  // withdrawn).
+  const bool withdrawn = h.flags == (proto::flag::last | proto::flag::withdrawn);
+  if (h.flags != 0 && !(h.type == tcp::frame_type::data && (h.flags == proto::flag::last || withdrawn))) return false;
+  if (withdrawn && (h.length != 0 || h.size != 0)) return false;
   bool answer = h.type == tcp::frame_type::put_ack || h.type == tcp::frame_type::get_reply;
   if (!answer && h.st != proto::status::ok) return false;
   if (!proto::has_payload(h.type) && h.length != 0) return false;

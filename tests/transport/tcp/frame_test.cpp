@@ -235,9 +235,24 @@ TEST_CASE("each malformed header is refused with its reason") {
   CHECK(status_of(patched(5, 0)) == frame_status::bad_type);
   CHECK(status_of(patched(5, proto::msg_max + 1)) == frame_status::bad_type);
   CHECK(status_of(patched(5, 0xff)) == frame_status::bad_type);
-  CHECK(status_of(patched(6, 0x01)) == frame_status::ok);  // `last`: the only flag, and only on data
-  CHECK(status_of(patched(6, 0x02)) == frame_status::bad_flags);
+  CHECK(status_of(patched(6, 0x01)) == frame_status::ok);  // `last`: data frames only
+  CHECK(status_of(patched(6, 0x02)) == frame_status::bad_flags);  // `withdrawn` only with `last`
+  CHECK(status_of(patched(6, 0x04)) == frame_status::bad_flags);
   CHECK(status_of(patched(7, 0x80)) == frame_status::bad_flags);
+  {
+    // `last` and `withdrawn`: the answer to an rtr whose send was withdrawn,
+    // with no bytes, at offset 0.
+    frame_header w = sample(frame_type::data);
+    w.flags = proto::flag::last | proto::flag::withdrawn;
+    w.length = 0;
+    w.size = 0;
+    CHECK(status_of(encode(w)) == frame_status::ok);
+    w.length = 1;
+    CHECK(status_of(encode(w)) == frame_status::bad_field);
+    w.length = 0;
+    w.size = 4096;
+    CHECK(status_of(encode(w)) == frame_status::bad_field);
+  }
   {
     auto eager = encode(sample(frame_type::eager));
     eager[6] = std::byte{0x01};
